@@ -1,0 +1,842 @@
+# PPO for language models (RLHF), CleanRL style: one file, read top to bottom. Docs: README.md.
+# Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
+# (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
+# in a comment with the word "TRL".
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (python, numpy and torch; rank r uses seed + r * 100003)"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "ppo-lm"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    output_dir: str | None = None
+    """the run's folder (models, args.json, metrics.jsonl); default runs/{run_name}"""
+
+    # models and data: each takes a hub id or a local path
+    sft_model_path: str = "EleutherAI/pythia-160m"
+    """the policy to train; also the frozen reference policy"""
+    reward_model_path: str | None = None
+    """a reward model (AutoModelForSequenceClassification, num_labels=1, same tokenizer as the policy)"""
+    reward_fn: str | None = None
+    """a reward function instead of a reward model: `module:function` or `path/to/file.py:function`"""
+    value_model_path: str | None = None
+    """initialises the value model; default: the reward model, else the SFT policy with a fresh (zero) head"""
+    dataset_name: str = "trl-internal-testing/descriptiveness-sentiment-trl-style"
+    """the prompt dataset: a hub id, a local directory, or a .json/.jsonl/.parquet/.csv file"""
+    dataset_config: str | None = None
+    """the dataset's configuration name, if it has several"""
+    dataset_train_split: str = "descriptiveness"
+    """the split to train on"""
+    dataset_prompt_column: str = "prompt"
+    """the column that holds the prompt text"""
+    eval_samples: int = 8
+    """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
+
+    # batch sizes (see `batch_sizes` below for the arithmetic)
+    total_episodes: int = 10000
+    """the total number of sampled responses to train on (the one budget knob)"""
+    per_device_train_batch_size: int = 8
+    """the micro-batch size per process: responses in one training forward/backward"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches accumulated into one minibatch, which is one optimizer step"""
+    num_mini_batches: int = 1
+    """minibatches (optimizer steps) per PPO epoch"""
+    num_ppo_epochs: int = 4
+    """passes of PPO over each rollout batch"""
+    local_rollout_forward_batch_size: int = 64
+    """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
+
+    # generation
+    response_length: int = 53
+    """the maximum number of generated tokens"""
+    stop_token: Literal["eos"] | None = None
+    """`eos`: stop generation at the tokenizer's eos token and truncate after it"""
+    stop_token_id: int | None = None
+    """stop at this token id instead (exclusive with --stop-token)"""
+    temperature: float = 0.7
+    """the sampling temperature; the same temperature divides the logits in every forward"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of responses that contain no eos (stop) token"""
+
+    # PPO
+    kl_coef: float = 0.05
+    """the KL coefficient (beta) of the per-token KL penalty"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: log(pi/pi_ref); k3: (r - 1) - log r with r = pi_ref/pi (unbiased, always >= 0)"""
+    cliprange: float = 0.2
+    """the policy-ratio clip range"""
+    vf_coef: float = 0.1
+    """the value-loss coefficient"""
+    cliprange_value: float = 0.2
+    """the value clip range (absolute, around the rollout's values)"""
+    gamma: float = 1.0
+    """the discount factor"""
+    lam: float = 0.95
+    """the GAE lambda"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked) before GAE"""
+
+    # optimizer
+    learning_rate: float = 3e-6
+    """the AdamW learning rate, annealed linearly to 0 over the updates"""
+    max_grad_norm: float | None = 1.0
+    """clip the global gradient norm of policy + value to this (None: no clipping)"""
+
+    # logging
+    num_sample_generations: int = 10
+    """how many sample-generation tables to print over the run (0: none)"""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch-size arithmetic
+# ----------------------------------------------------------------------------------------------------------------
+class BatchSizes(NamedTuple):
+    world_size: int
+    local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
+    local_batch_size: int  # per process, responses sampled per update
+    mini_batch_size: int  # over all processes
+    batch_size: int  # over all processes, responses per update
+    num_updates: int
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
+    """One optimizer step per minibatch (N+ detail; TRL's `per_device * GA` broke this when num_mini_batches > 1).
+
+    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
+    local_batch_size      = local_mini_batch_size * num_mini_batches
+    batch_size            = local_batch_size * world_size
+    num_updates           = ceil(total_episodes / batch_size)
+    """
+    for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
+                    ("gradient_accumulation_steps", gradient_accumulation_steps),
+                    ("num_mini_batches", num_mini_batches), ("world_size", world_size),
+                    ("total_episodes", total_episodes)]:
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
+    local_batch_size = local_mini_batch_size * num_mini_batches
+    batch_size = local_batch_size * world_size
+    return BatchSizes(world_size, local_mini_batch_size, local_batch_size, local_mini_batch_size * world_size,
+                      batch_size, math.ceil(total_episodes / batch_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small pure helpers (tests/test_math.py checks each against a naive float64 loop)
+# ----------------------------------------------------------------------------------------------------------------
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True in each row of `bools`, or the row length if there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Replace every token after the first stop token with pad; the stop token itself is kept (N+ detail 21)."""
+    trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
+    idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
+    return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
+    """The sampling distribution, in float32: logits / (T + 1e-7), with the pad id never sampled.
+
+    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
+    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
+    the response would silently end there, so it gets the lowest logit.
+    """
+    logits = logits.float() / (temperature + 1e-7)
+    if pad_token_id < logits.size(-1):
+        logits[..., pad_token_id] = torch.finfo(logits.dtype).min
+    return logits
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
+    return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(p * l)."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    if unbiased:
+        if n < 2:
+            raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+        variance = variance * n / (n - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds the mean back."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
+
+    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
+    position, the value read at the last real token, which is where the score lands (N+ detail 25).
+    """
+    idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
+    return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    logr = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -logr
+    if estimator == "k3":
+        return torch.expm1(logr) - logr
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1 or k3")
+
+
+def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
+    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
+    policy only through GAE, as the value read at the last real token."""
+    return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
+
+
+def compute_rewards(scores, kl, kl_coef, sequence_lengths):
+    """Per-token rewards: -kl_coef * kl everywhere, plus the score at `score_positions`."""
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rows = torch.arange(rewards.size(0), device=rewards.device)
+    rewards[rows, score_positions(sequence_lengths, rewards.size(1))] += scores
+    return rewards, non_score_reward
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
+
+    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
+    """
+    lastgaelam = 0
+    advantages_reversed = []
+    gen_length = rewards.size(1)
+    for t in reversed(range(gen_length)):
+        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
+    """Clipped surrogate objective, averaged over real tokens only.
+
+    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
+    over padding as well, which diluted them).
+    """
+    mask = ~padding_mask
+    logprobs_diff = new_logprobs - old_logprobs
+    ratio = torch.exp(logprobs_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask)
+        approxkl = 0.5 * masked_mean(logprobs_diff**2, mask)
+        ratio_mean = masked_mean(ratio, mask)
+    return loss, clipfrac, approxkl, ratio_mean
+
+
+def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), averaged over ~padding_mask_p1."""
+    mask = ~padding_mask_p1
+    vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
+    return loss, clipfrac
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
+    as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD]
+# token added to the tokenizer needs no embedding resize (N+ detail 6). Explicit position ids keep left padding
+# correct for absolute-position models.
+# ----------------------------------------------------------------------------------------------------------------
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    attention_mask = query_responses != pad_token_id
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
+                position_ids=attention_mask.cumsum(1) - attention_mask.long())
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length):
+    """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
+    response_length = query_responses.size(1) - context_length
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    return out.logits[:, :-1]
+
+
+def scalar_outputs(scalar_model, query_responses, pad_token_id):
+    """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
+    backbone = getattr(scalar_model, scalar_model.base_model_prefix)
+    return backbone(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+
+
+def value_forward(value_model, query_responses, pad_token_id, context_length):
+    """values[:, t] is read at the hidden state just before response token t."""
+    hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    return value_model.score(hidden).squeeze(-1).float()
+
+
+def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
+    """The reward model's score at the last non-pad token of the response (the query part is left-padded, so only
+    the response part is searched). An all-pad response is scored at the last query token."""
+    hidden = scalar_outputs(reward_model, query_responses, pad_token_id)
+    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
+    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, query_responses, pad_token_id, context_length):
+        return (policy_logits(self.policy, query_responses, pad_token_id, context_length),
+                value_forward(self.value_model, query_responses, pad_token_id, context_length))
+
+
+@torch.no_grad()
+def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None):
+    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
+
+    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
+    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
+    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
+    it are cut by `truncate_response`.
+    """
+    inputs = model_inputs(queries, pad_token_id)
+    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    out = policy(**inputs, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    for step in range(response_length):
+        logits = scale_logits(out.logits[:, -1], temperature, pad_token_id)
+        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        tokens.append(token)
+        logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
+        if stop_token_id is not None:
+            finished |= token.squeeze(-1) == stop_token_id
+        if step == response_length - 1 or finished.all():
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        position_ids = position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading: models, prompts, reward functions
+# ----------------------------------------------------------------------------------------------------------------
+def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
+    """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file."""
+    path = Path(name)
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        return load_dataset(kind, data_files=str(path), split="train")
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = load_from_disk(str(path))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"--dataset-train-split {split!r} not in {name} (splits: {list(ds)})")
+            ds = ds[split]
+        return ds
+    return load_dataset(name, config, split=split)
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """`module:function` (importable) or `path/to/file.py:function`."""
+    module_name, sep, fn_name = spec.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise ValueError(f"--reward-fn {spec!r}: expected `module:function` or `path/to/file.py:function`")
+    try:
+        if module_name.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if module_spec is None or not Path(module_name).is_file():
+                raise FileNotFoundError(module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as e:
+        raise ValueError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--reward-fn {spec!r}: {module_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], device) -> torch.Tensor:
+    """Call a user reward function and check what it returns: one finite float per response."""
+    scores = torch.as_tensor(np.asarray(fn(prompts, responses), dtype=np.float64), dtype=torch.float32, device=device)
+    if scores.shape != (len(responses),):
+        raise ValueError(f"--reward-fn returned shape {tuple(scores.shape)}; expected one float per response "
+                         f"({len(responses)},)")
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"--reward-fn returned a non-finite score: {scores.tolist()}")
+    return scores
+
+
+def check_scalar_model(path: str, role: str, require_head: bool) -> None:
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+
+
+def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
+    table = Table(title=title, show_lines=True)
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
+    console.print(table)
+
+
+def main(args: Args) -> None:
+    # ============================================================================================================
+    # 0. Set-up: validate everything cheap before any model is loaded
+    # ============================================================================================================
+    if args.stop_token is not None and args.stop_token_id is not None:
+        raise ValueError("--stop-token and --stop-token-id are exclusive: give one")
+    if (args.reward_model_path is None) == (args.reward_fn is None):
+        raise ValueError("give exactly one reward: --reward-model-path (a sequence classifier) or --reward-fn")
+    if args.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1 or k3")
+    # Gradient accumulation is ours, per minibatch: never let accelerate force a step at the end of the rollout
+    # dataloader (with its default sync_with_dataloader=True, the update after the last batch of an epoch would take
+    # one optimizer step per micro-batch).
+    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False))
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    if args.whiten_rewards and sizes.local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
+    device = accelerator.device
+    console = Console()
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+    if args.reward_model_path:
+        check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True)
+    value_model_path = args.value_model_path or args.reward_model_path or args.sft_model_path
+    check_scalar_model(value_model_path, "value model", require_head=False)
+
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    output_dir = Path(args.output_dir or f"runs/{run_name}")
+
+    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left")
+    if accelerator.is_main_process:  # saved as given: the [PAD] below is a training-time device only
+        tokenizer.save_pretrained(output_dir)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
+        # the reward model reads the token before it, so the policy never learns to stop.
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    pad_token_id = tokenizer.pad_token_id
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+    if args.stop_token == "eos" and stop_token_id is None:
+        raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
+    # contain_eos checks the stop token when there is one (TRL always checked eos, which misfires with a custom stop)
+    eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+    if args.missing_eos_penalty is not None and eos_check_id is None:
+        raise ValueError("--missing-eos-penalty needs an eos or stop token")
+
+    # prompts: tokenised once, left-padded per batch by the collator
+    dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
+    if args.dataset_prompt_column not in dataset.column_names:
+        raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
+                         f"(columns: {dataset.column_names})")
+    if len(dataset) - args.eval_samples < sizes.batch_size:
+        raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
+                         f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
+    with accelerator.local_main_process_first():
+        dataset = dataset.map(lambda batch: {"input_ids": tokenizer(batch[args.dataset_prompt_column])["input_ids"]},
+                              batched=True, remove_columns=dataset.column_names)
+    model_config = AutoConfig.from_pretrained(args.sft_model_path)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    longest = max(len(ids) for ids in dataset["input_ids"])
+    if min(len(ids) for ids in dataset["input_ids"]) == 0:
+        raise ValueError(f"{args.dataset_name}: a prompt tokenises to zero tokens")
+    if max_positions is not None and longest + args.response_length > max_positions:
+        raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
+                         f"exceeds the model's {max_positions} positions: shorten prompts or responses")
+    eval_dataset = dataset.select(range(len(dataset) - args.eval_samples, len(dataset)))
+    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
+
+    def collate(rows):
+        return {"input_ids": left_pad([row["input_ids"] for row in rows], pad_token_id)}
+
+    # ============================================================================================================
+    # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
+    # ============================================================================================================
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+        value_model_path, num_labels=1, output_loading_info=True)
+    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+        # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
+        # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
+        nn.init.zeros_(value_model.score.weight)
+        if value_model.score.bias is not None:
+            nn.init.zeros_(value_model.score.bias)
+    reward_model = (AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
+                    if args.reward_model_path else None)
+    for m in (policy, ref_policy, value_model, reward_model):
+        if m is not None:
+            disable_dropout(m)
+    for m in (ref_policy, reward_model):
+        if m is not None:
+            m.eval().requires_grad_(False).to(device)
+    model = PolicyAndValueWrapper(policy, value_model)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+
+    # Data order: the same seed on every rank before prepare() makes the shuffle agree, so the sharded dataloader
+    # gives each rank different prompts; then each rank gets its own seed for sampling (N+ detail 8).
+    torch.manual_seed(args.seed)
+    dataloader = torch.utils.data.DataLoader(train_dataset, batch_size=sizes.local_batch_size, shuffle=True,
+                                             collate_fn=collate, drop_last=True)
+    eval_queries = collate(list(eval_dataset))["input_ids"].to(device) if args.eval_samples > 0 else None
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
+    torch.manual_seed(local_seed)
+    eval_generator = torch.Generator(device=device).manual_seed(args.seed)  # tables never shift the training RNG
+
+    def repeat_generator():
+        while True:
+            yield from dataloader
+
+    iter_dataloader = iter(repeat_generator())
+
+    # tracking: metrics.jsonl always; wandb with --track
+    metrics_file = None
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
+        metrics_file = open(output_dir / "metrics.jsonl", "w")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
+                       save_code=True)
+        console.print(f"[bold]{run_name}[/bold]: {sizes.num_updates} updates of {sizes.batch_size} episodes "
+                      f"({sizes.world_size} process(es) x {args.num_mini_batches} minibatch(es) x "
+                      f"{args.gradient_accumulation_steps} micro-batch(es) x {args.per_device_train_batch_size})")
+
+    def sample_table(title: str) -> None:
+        """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside)."""
+        if args.eval_samples == 0:
+            return
+        unwrapped = accelerator.unwrap_model(model)
+        with torch.no_grad(), accelerator.autocast():
+            responses, _ = generate(unwrapped.policy, eval_queries, pad_token_id, args.response_length,
+                                    args.temperature, stop_token_id, eval_generator)
+            if stop_token_id is not None:
+                responses = truncate_response(stop_token_id, pad_token_id, responses)
+            scores = score_responses(eval_queries, responses)
+        if accelerator.is_main_process:
+            rows = [{"query": q, "model response": r, "score": s} for q, r, s in zip(
+                tokenizer.batch_decode(eval_queries, skip_special_tokens=True),
+                tokenizer.batch_decode(responses), scores.tolist())]
+            print_sample_table(console, rows[:5], title)
+            if args.track:
+                import wandb
+
+                wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+
+    def score_responses(queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Scores of truncated responses: the reward model on the tokens, or the reward function on the texts."""
+        if reward_model is not None:
+            return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk],
+                                                                             responses[i:i + chunk]), 1),
+                                                  pad_token_id, queries.size(1))
+                              for i in range(0, queries.size(0), chunk)])
+        return call_reward_fn(reward_fn, tokenizer.batch_decode(queries, skip_special_tokens=True),
+                              tokenizer.batch_decode(responses, skip_special_tokens=True), queries.device)
+
+    chunk = args.local_rollout_forward_batch_size
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    sample_generations_freq = max(1, sizes.num_updates // max(1, args.num_sample_generations))
+    start_time = time.time()
+    episode = 0
+    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                        disable=not accelerator.is_main_process)
+    progress_task = progress.add_task("PPO updates", total=sizes.num_updates)
+    progress.start()
+    for update in range(1, sizes.num_updates + 1):
+        episode += sizes.batch_size
+        # learning rate: linear anneal to 0, once per update (N+ detail 29)
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if args.num_sample_generations > 0 and (update - 1) % sample_generations_freq == 0:
+            sample_table(f"samples before update {update}")
+        queries = next(iter_dataloader)["input_ids"].to(device)
+        context_length = queries.size(1)
+        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        with torch.no_grad(), accelerator.autocast():
+            # ====================================================================================================
+            # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
+            # ====================================================================================================
+            unwrapped = accelerator.unwrap_model(model)
+            generated = [generate(unwrapped.policy, queries[i:i + chunk], pad_token_id, args.response_length,
+                                  args.temperature, stop_token_id) for i in range(0, queries.size(0), chunk)]
+            responses = pad_right([r for r, _ in generated], pad_token_id)
+            logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+            del generated
+            # truncate after the stop token; everything is scored and trained on the truncated responses
+            if stop_token_id is not None:
+                responses = truncate_response(stop_token_id, pad_token_id, responses)
+            query_responses = torch.cat((queries, responses), 1)
+            # index of the last real token (-1 for an empty response)
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+
+            # ====================================================================================================
+            # 3. Scoring forwards: reference log-probs, values, scores
+            # ====================================================================================================
+            ref_logprobs, values = [], []
+            for i in range(0, queries.size(0), chunk):
+                qr = query_responses[i:i + chunk]
+                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
+                                          args.temperature, pad_token_id)
+                ref_logprobs.append(logprobs_from_logits(ref_logits, responses[i:i + chunk]))
+                del ref_logits
+                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
+            ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
+            scores = score_responses(queries, responses)
+
+            # missing-EOS penalty on the truncated response (N+ detail 22, TRL's subtractive form)
+            contain_eos_token = (responses == eos_check_id).any(-1) if eos_check_id is not None else None
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
+
+            # ====================================================================================================
+            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
+            # ====================================================================================================
+            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            values = values.masked_fill(padding_mask_p1, 0)
+            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+
+            # ====================================================================================================
+            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
+            # ====================================================================================================
+            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+
+        # ================================================================================================================
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
+        # ================================================================================================================
+        model.train()
+        stats = {k: torch.zeros(stats_shape, device=device) for k in
+                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        optimizer_steps = 0
+        for ppo_epoch_idx in range(args.num_ppo_epochs):
+            b_inds = np.random.permutation(sizes.local_batch_size)
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
+                for micro_idx, micro_start in enumerate(range(0, sizes.local_mini_batch_size,
+                                                              args.per_device_train_batch_size)):
+                    with accelerator.accumulate(model):
+                        mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
+                                                              + args.per_device_train_batch_size], device=device)
+                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
+                        logits = scale_logits(logits, args.temperature, pad_token_id)
+                        new_logprobs = logprobs_from_logits(logits, responses[mbi])
+                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
+                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
+                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
+                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
+                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
+                                                          args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL)
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            optimizer_steps += 1
+                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
+                            idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
+                            for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
+                                         ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
+                                         ("ratio", ratio_mean)):
+                                stats[k][idx] = v.detach()
+                    del logits, vpred, loss
+
+        # ================================================================================================================
+        # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
+        # ================================================================================================================
+        with torch.no_grad():
+            real = (~padding_mask).float()
+            local = torch.stack([
+                kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+                non_score_reward.sum(1).mean(), scores.mean(),
+                (contain_eos_token.sum() if contain_eos_token is not None else torch.zeros((), device=device)).float(),
+                (sequence_lengths + 1).float().mean(),
+            ])
+            gathered = accelerator.gather(local.unsqueeze(0))
+            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
+            stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
+            mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+            metrics = {
+                "eps": int(episode / (time.time() - start_time)),
+                "objective/kl": mean_kl,
+                "objective/entropy": mean_entropy,
+                "objective/non_score_reward": mean_nsr,
+                "objective/rlhf_reward": mean_nsr + mean_scores,
+                "objective/scores": mean_scores,
+                "policy/approxkl_avg": stat_means["approxkl"],
+                "policy/clipfrac_avg": stat_means["pg_clipfrac"],
+                "loss/policy_avg": stat_means["pg_loss"],
+                "loss/value_avg": stat_means["vf_loss"],
+                "val/clipfrac_avg": stat_means["vf_clipfrac"],
+                "policy/entropy_avg": stat_means["entropy"],
+                "val/ratio": ratio_all.mean().item(),
+                "val/ratio_var": ratio_all.var().item(),
+                "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
+                "val/response_length": mean_len,
+                "policy/optimizer_steps": optimizer_steps,
+                "lr": lr,
+                "episode": episode,
+            }
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=update)
+            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
+                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
+                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
+        progress.update(progress_task, advance=1)
+        del query_responses, responses, logprobs, ref_logprobs, values, rewards, advantages, returns
+    progress.stop()
+    if args.num_sample_generations > 0:
+        sample_table("samples after training")
+
+    # ============================================================================================================
+    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only)
+    # ============================================================================================================
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    if accelerator.is_main_process:
+        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
+            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
+                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
+                                            if k.startswith(name + ".")})
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny models built from config, a word-level tokenizer, prompt files, and a runner for ppo.py.
+
+Everything is offline: models and tokenizers are written with save_pretrained into a temporary directory.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+WORDS = [f"w{i}" for i in range(29)]  # + eos + unk: a 31-token vocabulary
+
+
+def make_tokenizer(pad: bool):
+    """A word-level tokenizer: '<eos>' = 0, 'w0'..'w28' = 1..29, '<unk>' = 30 (and '<pad>' = 31 if asked)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}, "<unk>": 30}
+    if pad:
+        vocab["<pad>"] = 31
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>" if pad else None)
+
+
+def build_models(root: Path, arch: str = "gpt_neox", vocab_size: int = 32, pad: bool = False) -> dict:
+    """Write a tiny causal LM (the SFT policy) and a tiny sequence classifier (the reward model) under root."""
+    import torch
+    from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, LlamaConfig,
+                              LlamaForCausalLM, LlamaForSequenceClassification)
+
+    torch.manual_seed(0)
+    tok = make_tokenizer(pad)
+    if arch == "gpt_neox":
+        cfg = GPTNeoXConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=128, eos_token_id=0,
+                            pad_token_id=tok.pad_token_id, hidden_dropout=0.1, attention_dropout=0.1)
+        lm, cls = GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+    else:
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, max_position_embeddings=128, eos_token_id=0,
+                          pad_token_id=tok.pad_token_id, tie_word_embeddings=True, attention_dropout=0.1)
+        lm, cls = LlamaForCausalLM, LlamaForSequenceClassification
+    paths = {"sft": root / f"{arch}_sft", "rm": root / f"{arch}_rm"}
+    lm(cfg).save_pretrained(paths["sft"])
+    tok.save_pretrained(paths["sft"])
+    cfg.num_labels = 1
+    cls(cfg).save_pretrained(paths["rm"])
+    tok.save_pretrained(paths["rm"])
+    return paths
+
+
+def write_prompts(path: Path, n: int = 64, column: str = "prompt") -> Path:
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({column: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return {**build_models(root), "prompts": write_prompts(root / "prompts.jsonl"), "root": root}
+
+
+TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
+        "--num-mini-batches", "2", "--num-ppo-epochs", "2", "--local-rollout-forward-batch-size", "8",
+        "--response-length", "8", "--eval-samples", "4", "--num-sample-generations", "1", "--learning-rate", "1e-3"]
+
+
+def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
+    """Run `python ppo.py ...` in a subprocess; return (completed process, list of metrics rows)."""
+    env = {**os.environ, "HF_HOME": str(output_dir.parent / "hf_home"), "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--output-dir", str(output_dir), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ppo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    metrics_path = output_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    return proc, rows

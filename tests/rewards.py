@@ -1,0 +1,14 @@
+"""Reward functions used by the tests through --reward-fn tests/rewards.py:NAME."""
+
+
+def target_word_fraction(prompts, responses):
+    """Fraction of response words equal to 'w7' (a reward the tiny vocabulary makes learnable in seconds)."""
+    return [r.split().count("w7") / max(1, len(r.split())) for r in responses]
+
+
+def wrong_length(prompts, responses):
+    return [0.0] * (len(responses) + 1)
+
+
+def not_finite(prompts, responses):
+    return [float("nan")] * len(responses)
