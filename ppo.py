@@ -556,8 +556,8 @@ def main(args: Args) -> None:
     if max_positions is not None and longest + args.response_length > max_positions:
         raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
                          f"exceeds the model's {max_positions} positions: shorten prompts or responses")
-    eval_dataset = dataset.select(range(len(dataset) - args.eval_samples, len(dataset)))
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
+    eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
 
     def collate(rows):
         return {"input_ids": left_pad([row["input_ids"] for row in rows], pad_token_id)}
@@ -592,7 +592,7 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     dataloader = torch.utils.data.DataLoader(train_dataset, batch_size=sizes.local_batch_size, shuffle=True,
                                              collate_fn=collate, drop_last=True)
-    eval_queries = collate(list(eval_dataset))["input_ids"].to(device) if args.eval_samples > 0 else None
+    eval_queries = collate(list(eval_rows))["input_ids"].to(device) if args.eval_samples > 0 else None
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)

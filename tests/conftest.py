@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")  # no cache shared with the user or between sessions
 
 WORDS = [f"w{i}" for i in range(29)]  # + eos + unk: a 31-token vocabulary
 
@@ -71,6 +73,16 @@ def write_prompts(path: Path, n: int = 64, column: str = "prompt") -> Path:
     return path
 
 
+def write_config_dataset(root: Path) -> Path:
+    """A local dataset directory with two named configurations (`first`: 4 rows, `second`: 40 rows)."""
+    root.mkdir()
+    write_prompts(root / "first.jsonl", 4)
+    write_prompts(root / "second.jsonl", 40)
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: first\n  data_files: first.jsonl\n"
+                                    "- config_name: second\n  data_files: second.jsonl\n---\n")
+    return root
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
@@ -84,7 +96,7 @@ TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradi
 
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
     """Run `python ppo.py ...` in a subprocess; return (completed process, list of metrics rows)."""
-    env = {**os.environ, "HF_HOME": str(output_dir.parent / "hf_home"), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run([sys.executable, str(ROOT / script), "--output-dir", str(output_dir), *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:
