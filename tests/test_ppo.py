@@ -27,8 +27,8 @@ def common(assets, *extra):
 def learning_args(assets, *extra):
     """The learning-test configuration: 30 updates of 16 responses, rewarded for the word 'w7'."""
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
-            "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "8",
-            "--num-mini-batches", "2", "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0",
+            "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
+            "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0",
             "--num-sample-generations", "0", "--eval-samples", "0", *extra]
 
 
@@ -96,6 +96,12 @@ def learning_run(assets, tmp_path_factory):
 def test_scores_rise_on_target_word_reward(learning_run):
     first, last = quarter_means(learning_run)
     assert last > first + 0.15, (first, last)
+
+
+def test_one_optimizer_step_per_minibatch_across_dataset_epochs(learning_run):
+    """64 prompts make 4 rollout batches per pass, so 30 updates cross 7 dataset epochs. accelerate's default
+    (sync_with_dataloader) would step after every micro-batch on each epoch's last batch: 16 steps instead of 8."""
+    assert [r["policy/optimizer_steps"] for r in learning_run] == [4 * 2] * 30
 
 
 def test_same_seed_same_metrics(assets, tmp_path):
