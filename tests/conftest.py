@@ -91,7 +91,8 @@ def assets(tmp_path_factory):
 
 TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
         "--num-mini-batches", "2", "--num-ppo-epochs", "2", "--local-rollout-forward-batch-size", "8",
-        "--response-length", "8", "--eval-samples", "4", "--num-sample-generations", "1", "--learning-rate", "1e-3"]
+        "--response-length", "8", "--eval-samples", "4", "--num-sample-generations", "1", "--learning-rate", "1e-3",
+        "--num-trainable-layers", "None"]  # train every block of the 2-block test models
 
 
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):

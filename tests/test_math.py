@@ -17,6 +17,7 @@ import ppo
 
 F64 = dict(rtol=1e-10, atol=1e-12)  # float64 helpers vs float64 loops
 F32 = dict(rtol=1e-5, atol=1e-6)  # helpers that compute in float32
+CLIPFRAC = dict(rtol=1e-6, atol=1e-7)  # clip fractions are computed as float32 ((bool).float()), a count ratio
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def naive_first_true(row: list[bool]) -> int:
 def naive_log_softmax_at(row: list[float], k: int) -> float:
     m = max(row)
     s = sum(math.exp(x - m) for x in row)
-    return math.log(math.exp(row[k] - m) / s) if math.exp(row[k] - m) > 0 else (row[k] - m) - math.log(s)
+    return (row[k] - m) - math.log(s)  # log(exp(l_k - m) / s), without underflow for very negative l_k
 
 
 def naive_probs(row: list[float]) -> list[float]:
@@ -188,7 +189,7 @@ def naive_batch_sizes(per_device, ga, n_mini, world, total):
 @pytest.mark.parametrize("p_true", [0.0, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32])
 def test_first_true_indices(shape, p_true, dtype):
-    bools = torch.rand(shape, generator=gen(hash((shape, p_true)) % 2**31)) < p_true
+    bools = torch.rand(shape, generator=gen(sum(shape) + int(10 * p_true))) < p_true
     out = ppo.first_true_indices(bools, dtype=dtype)
     assert out.shape == bools.shape[:-1] and out.dtype == dtype
     expected = [naive_first_true(r) for r in rows(bools)]
@@ -231,7 +232,6 @@ def test_truncate_response(shape, stop, pad, seed):
 def test_scale_logits(shape, temperature, pad_offset, in_dtype):
     vocab = shape[-1]
     pad = {"last": vocab - 1, "vocab": vocab, "beyond": vocab + 5}.get(pad_offset, pad_offset)
-    pad = min(pad, vocab + 5) if isinstance(pad_offset, int) and pad_offset < vocab else pad
     logits = randn(shape, seed=vocab, scale=3.0, dtype=in_dtype)
     before = logits.clone()
     out = ppo.scale_logits(logits, temperature, pad)
@@ -359,7 +359,10 @@ def test_masked_whiten(shape, p_true, shift_mean, scale, offset):
     mask = rand_mask(shape, seed=21 + shape[1], p_true=p_true)
     out = ppo.masked_whiten(values, mask, shift_mean=shift_mean)
     v, m = values.view(-1).tolist(), mask.view(-1).tolist()
-    assert_close(out, torch.tensor(naive_whiten(v, m, shift_mean)).view(shape))
+    # x - mean cancels when |x| >> std: rounding in the mean is amplified by max|x| / std (conditioning, not a bug)
+    cond = max(1.0, max(abs(x) for x in v) / math.sqrt(naive_var(v, m, unbiased=True)))
+    expected = torch.tensor(naive_whiten(v, m, shift_mean), dtype=torch.float64).view(shape)
+    assert_close(out, expected, tol=dict(rtol=1e-10, atol=1e-12 * cond))
     # semantics on the unmasked entries: mean 0 (or the original mean) and unbiased variance ~1
     o = out.view(-1).tolist()
     target_mean = 0.0 if shift_mean else naive_mean(v, m)
@@ -402,7 +405,7 @@ def test_kl_penalty(shape, estimator, scale):
     out = ppo.kl_penalty(logprobs, ref_logprobs, estimator)
     naive = naive_k1 if estimator == "k1" else naive_k3
     expected = [naive(a, b) for a, b in zip(logprobs.view(-1).tolist(), ref_logprobs.view(-1).tolist())]
-    assert_close(out, torch.tensor(expected).view(shape))
+    assert_close(out, torch.tensor(expected, dtype=torch.float64).view(shape))
     assert (out[pad] == 0).all()  # both logprobs equal INVALID_LOGPROB there
     if estimator == "k3":
         assert (out >= 0).all()
@@ -510,8 +513,9 @@ def test_policy_loss(shape, cliprange, noise):
     loss.backward()
     flat = [x.reshape(-1).tolist() for x in (new.detach(), old, adv, pm)]
     e_loss, e_clip, e_kl, e_ratio, e_grad = naive_policy_loss(*flat, cliprange)
-    for got, want in [(loss, e_loss), (clipfrac, e_clip), (approxkl, e_kl), (ratio_mean, e_ratio)]:
+    for got, want in [(loss, e_loss), (approxkl, e_kl), (ratio_mean, e_ratio)]:
         assert_close(got.detach(), want)
+    assert_close(clipfrac, e_clip, tol=CLIPFRAC)
     assert_close(new.grad.reshape(-1), e_grad)
     assert (new.grad[pm] == 0).all()  # no gradient through padding
     if noise == 0.0:  # ratio exactly 1: nothing is clipped and approxkl is 0
@@ -556,7 +560,7 @@ def test_value_loss(shape, cliprange_value):
     flat = [x.reshape(-1).tolist() for x in (vpred.detach(), old_values, returns, pm1)]
     e_loss, e_clip, e_grad = naive_value_loss(*flat, cliprange_value)
     assert_close(loss.detach(), e_loss)
-    assert_close(clipfrac, e_clip)
+    assert_close(clipfrac, e_clip, tol=CLIPFRAC)
     assert_close(vpred.grad.reshape(-1), e_grad)
     n_real = int((~pm1).sum())
     if cliprange_value == 0.05 and n_real >= 20:
