@@ -803,6 +803,8 @@ def main(args: Args) -> None:
             query_responses = torch.cat((queries, responses), 1)
             # index of the last real token (-1 for an empty response)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
+            response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # ====================================================================================================
             # 3. Scoring forwards: reference log-probs, values, scores
@@ -812,7 +814,7 @@ def main(args: Args) -> None:
                 qr = query_responses[i:i + chunk]
                 ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
                                           args.temperature, pad_token_id)
-                ref_logprobs.append(logprobs_from_logits(ref_logits, responses[i:i + chunk]))
+                ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
                 del ref_logits
                 values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
@@ -861,7 +863,7 @@ def main(args: Args) -> None:
                                                               + args.per_device_train_batch_size], device=device)
                         logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
                         logits = scale_logits(logits, args.temperature, pad_token_id)
-                        new_logprobs = logprobs_from_logits(logits, responses[mbi])
+                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -937,7 +939,7 @@ def main(args: Args) -> None:
                 f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
                 ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
         progress.update(progress_task, advance=1)
-        del query_responses, responses, logprobs, ref_logprobs, values, rewards, advantages, returns
+        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     progress.stop()
     if args.num_sample_generations > 0:
         sample_table("samples after training")

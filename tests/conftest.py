@@ -36,8 +36,12 @@ def make_tokenizer(pad: bool):
                                    pad_token="<pad>" if pad else None)
 
 
-def build_models(root: Path, arch: str = "gpt_neox", vocab_size: int = 32, pad: bool = False) -> dict:
-    """Write a tiny causal LM (the SFT policy) and a tiny sequence classifier (the reward model) under root."""
+def build_models(root: Path, arch: str = "gpt_neox", pad: bool = False) -> dict:
+    """Write a tiny causal LM (the SFT policy) and a tiny sequence classifier (the reward model) under root.
+
+    Without a pad token, ppo.py adds [PAD] as id 31, one past the 31-token model vocabulary (as for SmolLM2); with
+    one, the vocabulary is 32 and the pad id 31 lies inside it."""
+    vocab_size = 32 if pad else 31
     import torch
     from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, LlamaConfig,
                               LlamaForCausalLM, LlamaForSequenceClassification)
