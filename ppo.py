@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -119,9 +119,17 @@ class Args:
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
-    # logging
+    # logging and checkpoints
     num_sample_generations: int = 10
     """how many sample-generation tables to print over the run (0: none)"""
+    save_every: int = 0
+    """write a resumable checkpoint every N updates (0: only at the end)"""
+    save_total_limit: int | None = None
+    """keep only the newest N checkpoints (None: keep all)"""
+    resume: str | None = None
+    """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
+    trust_remote_code: bool = False
+    """let model and tokenizer repositories run their own code (off: they never do)"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -410,6 +418,61 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
+    """The prompts that `rank` samples responses for at `update` (1-based).
+
+    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
+    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
+    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
+    """
+    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    start = batch * sizes.batch_size + rank * sizes.local_batch_size
+    return permutation[start:start + sizes.local_batch_size]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
+    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
+    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
+    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
+    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
+    final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_atomic(checkpoints / "latest", final.name)
+        if save_total_limit is not None:
+            for old in sorted(checkpoints.glob("update-*"))[:-save_total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
+    """`auto`: the checkpoint that output_dir/checkpoints/latest names (None if there is none yet); else the path."""
+    if resume == "auto":
+        if output_dir is None:
+            raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+        pointer = output_dir / "checkpoints" / "latest"
+        return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+    return path
+
+
 def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
     """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
     width = max(t.size(1) for t in tensors)
@@ -562,9 +625,9 @@ def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], devic
     return scores
 
 
-def check_scalar_model(path: str, role: str, require_head: bool) -> None:
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False) -> None:
     """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = config.architectures or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     if require_head and not is_classifier:
@@ -572,6 +635,41 @@ def check_scalar_model(path: str, role: str, require_head: bool) -> None:
                          "(AutoModelForSequenceClassification with num_labels=1)")
     if is_classifier and config.num_labels != 1:
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+
+
+def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int) -> None:
+    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step).
+    A float64 checksum per process, compared across processes, catches a silent divergence at the update it happens.
+    Skipped under DeepSpeed, whose ZeRO stages shard state between processes."""
+    if accelerator.num_processes == 1 or accelerator.state.deepspeed_plugin is not None:
+        return
+    checksum = sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
+    gathered = accelerator.gather(checksum.reshape(1).to(accelerator.device))
+    if not torch.all(gathered == gathered[0]):
+        raise RuntimeError(f"update {update}: the processes' weights differ (checksums {gathered.tolist()})")
+
+
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict) -> None:
+    """The resolved batch arithmetic, and per model an estimate of its memory: weights, plus gradients and AdamW's two
+    moments for the trainable parameters (activations and the rollout come on top)."""
+    steps = args.num_ppo_epochs * args.num_mini_batches
+    console.print(f"[bold]{run_name}[/bold]\n"
+                  f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
+                  f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
+                  f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
+    table = Table("model", "parameters", "trainable", "memory estimate")
+    for name, model in models.items():
+        if model is None:
+            continue
+        params = list(model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        trainable = [p for p in params if p.requires_grad]
+        training = sum(p.numel() * (p.element_size() + 8) for p in trainable)  # gradient + fp32 Adam moments
+        table.add_row(name, f"{sum(p.numel() for p in params) / 1e6:.1f}M",
+                      f"{sum(p.numel() for p in trainable) / 1e6:.1f}M", f"{(weights + training) / 2**30:.2f} GiB")
+    console.print(table)
 
 
 def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
@@ -591,11 +689,22 @@ def main(args: Args) -> None:
         raise ValueError("give one reward: --reward-model-path (a sequence classifier) or --reward-fn, not both")
     if args.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1 or k3")
-    # Gradient accumulation is ours, per minibatch: never let accelerate force a step at the end of the rollout
-    # dataloader (with its default sync_with_dataloader=True, the update after the last batch of an epoch would take
-    # one optimizer step per micro-batch).
-    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-        num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False))
+    # One optimizer step per minibatch of gradient_accumulation_steps micro-batches. There is no prepared DataLoader
+    # (see `rollout_indices`): with one, accelerate would also step after every micro-batch of each update that used an
+    # epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: any other value would break
+    # "one optimizer step per minibatch", so refuse it here.
+    ds_plugin = accelerator.state.deepspeed_plugin
+    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
+            "auto", args.gradient_accumulation_steps):
+        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
+                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
+                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
+                         "the config and set the flag")
+    if ds_plugin is not None and args.max_grad_norm is not None:  # DeepSpeed clips inside its step, from its config
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
@@ -603,6 +712,8 @@ def main(args: Args) -> None:
     device = accelerator.device
     console = Console()
     reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn or "vader")
+    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
+    remote = dict(trust_remote_code=args.trust_remote_code)
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
         reward_model_path = resolve_model_path(args.reward_model_path) if args.reward_model_path else None
@@ -610,9 +721,9 @@ def main(args: Args) -> None:
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
     if reward_model_path:
-        check_scalar_model(reward_model_path, "--reward-model-path", require_head=True)
-    check_scalar_model(value_model_path, "value model", require_head=False)
-    model_config = AutoConfig.from_pretrained(sft_model_path)
+        check_scalar_model(reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
     if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
                          f"{model_config.num_hidden_layers} transformer blocks")
@@ -621,10 +732,11 @@ def main(args: Args) -> None:
     if accelerator.num_processes > 1:  # the same run name on every rank
         time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    output_dir = Path(args.output_dir or f"runs/{run_name}")
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
 
     # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
     if accelerator.is_main_process:  # saved as given: the [PAD] below is a training-time device only
         tokenizer.save_pretrained(output_dir)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -661,24 +773,32 @@ def main(args: Args) -> None:
                          f"exceeds the model's {max_positions} positions: shorten prompts or responses")
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
     eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
-
-    def collate(rows):
-        return {"input_ids": left_pad([row["input_ids"] for row in rows], pad_token_id)}
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        changed = {k: (saved[k], v) for k, v in run_state.items() if saved[k] != v}
+        if changed:
+            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                             "with the original flags, or the data order and learning rate would not continue")
+    if reward_fn is not None:  # a broken reward function fails now, not after the models are loaded
+        probe = tokenizer.batch_decode(train_dataset[:2]["input_ids"], skip_special_tokens=True)
+        call_reward_fn(reward_fn, probe, probe, "cpu")
 
     # ============================================================================================================
     # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
     # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(sft_model_path)
-    ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path)
+    policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+    ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True)
+        value_model_path, num_labels=1, output_loading_info=True, **remote)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
         # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
         # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
         nn.init.zeros_(value_model.score.weight)
         if value_model.score.bias is not None:
             nn.init.zeros_(value_model.score.bias)
-    reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1)
+    reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1, **remote)
                     if reward_model_path else None)
     for m in (policy, ref_policy, value_model, reward_model):
         if m is not None:
@@ -694,60 +814,55 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
 
-    # Data order: the same seed on every rank before prepare() makes the shuffle agree, so the sharded dataloader
-    # gives each rank different prompts; then each rank gets its own seed for sampling (N+ detail 8).
-    torch.manual_seed(args.seed)
-    dataloader = torch.utils.data.DataLoader(train_dataset, batch_size=sizes.local_batch_size, shuffle=True,
-                                             collate_fn=collate, drop_last=True)
-    eval_queries = collate(list(eval_rows))["input_ids"].to(device) if args.eval_samples > 0 else None
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
-    eval_generator = torch.Generator(device=device).manual_seed(args.seed)  # tables never shift the training RNG
+    start_update = 1
+    if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(checkpoint))
+        start_update = saved["update"] + 1
+        if accelerator.is_main_process:
+            console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
 
-    def repeat_generator():
-        while True:
-            yield from dataloader
-
-    iter_dataloader = iter(repeat_generator())
-
-    # tracking: metrics.jsonl always; wandb with --track
+    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint); wandb with --track
     metrics_file = None
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-        metrics_file = open(output_dir / "metrics.jsonl", "w")
+        metrics_path = output_dir / "metrics.jsonl"
+        kept = [line for line in (metrics_path.read_text().splitlines() if checkpoint and metrics_path.exists()
+                                  else []) if json.loads(line)["update"] < start_update]
+        write_atomic(metrics_path, "".join(line + "\n" for line in kept))
+        metrics_file = open(metrics_path, "a")
         if args.track:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
                        save_code=True)
-        console.print(f"[bold]{run_name}[/bold]: {sizes.num_updates} updates of {sizes.batch_size} episodes "
-                      f"({sizes.world_size} process(es) x {args.num_mini_batches} minibatch(es) x "
-                      f"{args.gradient_accumulation_steps} micro-batch(es) x {args.per_device_train_batch_size})")
-        for name, m in (("policy", policy), ("value model", value_model)):
-            trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
-            console.print(f"{name}: {sum(p.numel() for p in m.parameters()) / 1e6:.1f}M parameters, "
-                          f"{trainable / 1e6:.1f}M trainable" + (f" (top {args.num_trainable_layers} blocks)"
-                                                                 if args.num_trainable_layers else ""))
+        print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
+                                                      "value model": value_model, "reward model": reward_model})
 
-    def sample_table(title: str) -> None:
-        """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside)."""
+    def sample_table(title: str, update: int) -> None:
+        """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
+        Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
         if args.eval_samples == 0:
             return
         unwrapped = accelerator.unwrap_model(model)
+        generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
             responses, _ = generate(unwrapped.policy, eval_queries, pad_token_id, args.response_length,
-                                    args.temperature, stop_token_id, eval_generator)
+                                    args.temperature, stop_token_id, generator)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
             scores = score_responses(eval_queries, responses)
         if accelerator.is_main_process:
             rows = [{"query": q, "model response": r, "score": s} for q, r, s in zip(
                 tokenizer.batch_decode(eval_queries, skip_special_tokens=True),
-                tokenizer.batch_decode(responses), scores.tolist())]
+                [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist())]  # eos stays visible
             print_sample_table(console, rows[:5], title)
             if args.track:
                 import wandb
@@ -768,21 +883,22 @@ def main(args: Args) -> None:
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
     sample_generations_freq = max(1, sizes.num_updates // max(1, args.num_sample_generations))
     start_time = time.time()
-    episode = 0
+    checkpoints = output_dir / "checkpoints"
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                         disable=not accelerator.is_main_process)
-    progress_task = progress.add_task("PPO updates", total=sizes.num_updates)
+    progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
     progress.start()
-    for update in range(1, sizes.num_updates + 1):
-        episode += sizes.batch_size
+    for update in range(start_update, sizes.num_updates + 1):
+        episode = update * sizes.batch_size
         # learning rate: linear anneal to 0, once per update (N+ detail 29)
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
         if args.num_sample_generations > 0 and (update - 1) % sample_generations_freq == 0:
-            sample_table(f"samples before update {update}")
-        queries = next(iter_dataloader)["input_ids"].to(device)
+            sample_table(f"samples before update {update}", update)
+        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
+        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
@@ -871,6 +987,11 @@ def main(args: Args) -> None:
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL)
+                        nonfinite = torch.tensor(float(not torch.isfinite(loss)), device=device)
+                        if accelerator.reduce(nonfinite, "sum") > 0:  # every rank stops together
+                            raise FloatingPointError(
+                                f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}): "
+                                f"non-finite loss on some rank; the last good checkpoint is kept in {checkpoints}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -905,7 +1026,7 @@ def main(args: Args) -> None:
             stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
             mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
             metrics = {
-                "eps": int(episode / (time.time() - start_time)),
+                "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
                 "objective/kl": mean_kl,
                 "objective/entropy": mean_entropy,
                 "objective/non_score_reward": mean_nsr,
@@ -938,11 +1059,15 @@ def main(args: Args) -> None:
             progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
                 f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
                 ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
+        check_replicas_agree(accelerator, model, update)
+        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
+                            args.save_total_limit)
         progress.update(progress_task, advance=1)
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     progress.stop()
     if args.num_sample_generations > 0:
-        sample_table("samples after training")
+        sample_table("samples after training", sizes.num_updates + 1)
 
     # ============================================================================================================
     # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only)

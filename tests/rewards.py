@@ -12,3 +12,13 @@ def wrong_length(prompts, responses):
 
 def not_finite(prompts, responses):
     return [float("nan")] * len(responses)
+
+
+_calls = 0
+
+
+def explodes_after_first_update(prompts, responses):
+    """Finite until the third call (the start-up probe, then update 1), then 1e38: the value loss overflows."""
+    global _calls
+    _calls += 1
+    return [1e38 if _calls > 2 else 0.0] * len(responses)

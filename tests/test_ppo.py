@@ -329,6 +329,21 @@ def test_bad_input_is_refused(assets, tmp_path, overrides, message):
         ppo.main(ppo.Args(**fields))
 
 
+def test_accumulation_set_by_the_launcher_must_agree(assets, tmp_path, monkeypatch):
+    """`accelerate launch --gradient_accumulation_steps 3` would silently override the flag (so would a DeepSpeed
+    config): one optimizer step per minibatch would be lost, so the run refuses to start."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    with pytest.raises(ValueError, match="--gradient-accumulation-steps says 1"):
+        ppo.main(ppo.Args(sft_model_path=str(assets["sft"]), dataset_name=str(assets["prompts"]),
+                          output_dir=str(tmp_path), num_trainable_layers=None))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
     tok = make_tokenizer(pad=False)
     tok.pad_token = tok.eos_token  # pad == eos, the SmolLM2 / GPT-2 situation

@@ -1,0 +1,142 @@
+"""Checkpoints, exact resume, a SIGKILL during a checkpoint write, and the guards that protect a long run."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ppo
+from conftest import ROOT, TINY, run_ppo
+
+REWARD_FN = "tests/rewards.py:target_word_fraction"
+
+
+def args_for(assets, *extra):
+    return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
+            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", *extra]
+
+
+def without_wall_clock(rows):
+    return [{k: v for k, v in r.items() if k != "eps" and not k.startswith("time/")} for r in rows]
+
+
+def test_rollout_indices_shard_each_pass_over_the_data():
+    num_prompts, sizes = 50, ppo.batch_sizes(2, 1, 2, 3, 10_000)  # 3 ranks x 4 = 12 prompts per update
+    per_epoch = num_prompts // sizes.batch_size  # 4 updates, 2 prompts left out of each pass
+    for epoch in range(3):
+        seen = []
+        for update in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1):
+            shards = [ppo.rollout_indices(num_prompts, sizes, update, 7, rank).tolist() for rank in range(3)]
+            assert all(len(s) == sizes.local_batch_size for s in shards)
+            seen += [i for s in shards for i in s]
+            assert shards[0] == ppo.rollout_indices(num_prompts, sizes, update, 7, 0).tolist()  # a pure function
+        assert len(seen) == len(set(seen)) == per_epoch * sizes.batch_size  # no prompt twice within a pass
+    assert ppo.rollout_indices(num_prompts, sizes, 1, 7, 0).tolist() != ppo.rollout_indices(
+        num_prompts, sizes, per_epoch + 1, 7, 0).tolist()  # each pass is a new permutation
+    assert ppo.rollout_indices(num_prompts, sizes, 1, 7, 0).tolist() != ppo.rollout_indices(
+        num_prompts, sizes, 1, 8, 0).tolist()
+
+
+def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    args = args_for(assets, "--total-episodes", "64", "--save-every", "2")  # 4 updates, checkpoints at 2 and 4
+    _, uninterrupted = run_ppo(args, full)
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "update-000002", "update-000004"]
+    shutil.copytree(full, resumed)  # the same folder, as a run killed after update 3 would have left it
+    shutil.rmtree(resumed / "checkpoints" / "update-000004")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    proc, rows = run_ppo(args + ["--resume", str(resumed / "checkpoints" / "update-000002"),
+                                 "--output-dir", str(resumed)], resumed)
+    assert "continuing at update 3" in proc.stdout
+    assert [r["update"] for r in rows] == [1, 2, 3, 4]
+    assert without_wall_clock(rows) == without_wall_clock(uninterrupted)
+    for name in ("model.safetensors", "value_model/model.safetensors"):  # and the same final weights
+        assert torch.equal(flat_weights(full / name), flat_weights(resumed / name))
+
+
+def flat_weights(path):
+    from safetensors.torch import load_file
+
+    return torch.cat([t.flatten() for _, t in sorted(load_file(path).items())])
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(assets, tmp_path):
+    out = tmp_path / "run"
+    args = args_for(assets, "--total-episodes", "480", "--save-every", "1", "--save-total-limit", "2",
+                    "--output-dir", str(out))
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "ppo.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints, deadline = out / "checkpoints", time.time() + 240
+    try:
+        while proc.poll() is None and time.time() < deadline:
+            # wait until a previous checkpoint exists and the next one is being written, then kill at once
+            if (checkpoints / "latest").exists() and any(checkpoints.glob(".tmp-update-*")):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.0005)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a checkpoint write could be interrupted"
+    assert any(checkpoints.glob(".tmp-update-*"))  # killed mid-write ...
+    latest = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert (latest / "model.safetensors").exists() and (latest / "optimizer.bin").exists()  # ... the last one whole
+    _, rows = run_ppo(args + ["--resume", "auto"], out)
+    assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
+    assert len(list(checkpoints.glob("update-*"))) == 2 and not any(checkpoints.glob(".tmp-update-*"))
+
+
+def test_resume_with_other_batch_settings_is_refused(assets, tmp_path):
+    run_ppo(args_for(assets, "--total-episodes", "16"), tmp_path / "run")
+    proc, _ = run_ppo(args_for(assets, "--total-episodes", "16", "--per-device-train-batch-size", "2", "--resume",
+                               "auto"), tmp_path / "run", check=False)
+    assert proc.returncode != 0 and "the run's settings changed" in proc.stderr and "batch_size" in proc.stderr
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(assets, tmp_path):
+    _, rows = run_ppo(args_for(assets, "--resume", "auto", "--total-episodes", "16"), tmp_path / "run")
+    assert [r["update"] for r in rows] == [1]
+
+
+def test_non_finite_loss_stops_the_run_naming_the_update(assets, tmp_path):
+    proc, rows = run_ppo(args_for(assets, "--reward-fn", "tests/rewards.py:explodes_after_first_update",
+                                  "--save-every", "1", "--total-episodes", "48"), tmp_path / "run", check=False)
+    assert proc.returncode != 0 and "FloatingPointError: update 2" in proc.stderr
+    assert [r["update"] for r in rows] == [1]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "update-000001"
+
+
+@pytest.mark.parametrize("resume, output_dir, message", [
+    ("auto", None, "--resume auto needs --output-dir"),
+    ("TMP", "x", "not a checkpoint directory"),
+])
+def test_bad_resume_is_refused(assets, tmp_path, resume, output_dir, message):
+    fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
+                  resume=str(tmp_path) if resume == "TMP" else resume,
+                  output_dir=str(tmp_path / output_dir) if output_dir else None)
+    with pytest.raises(ValueError, match=message):
+        ppo.main(ppo.Args(**fields))
+
+
+def test_remote_code_runs_only_when_allowed(tmp_path):
+    """A repository that ships its own configuration code: refused by default, run with --trust-remote-code."""
+    repo, marker = tmp_path / "remote", tmp_path / "remote_code_ran"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({"model_type": "remote_x", "architectures": ["XForSequenceClassification"], "num_labels": 1,
+                                                  "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    (repo / "configuration_x.py").write_text(
+        "from pathlib import Path\nfrom transformers import PretrainedConfig\n"
+        f"Path({str(marker)!r}).write_text('ran')\n"
+        "class XConfig(PretrainedConfig):\n    model_type = 'remote_x'\n")
+    with pytest.raises(ValueError):
+        ppo.check_scalar_model(str(repo), "value model", require_head=False)
+    assert not marker.exists()
+    ppo.check_scalar_model(str(repo), "value model", require_head=False, trust_remote_code=True)
+    assert marker.exists()
