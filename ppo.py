@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
@@ -68,7 +69,7 @@ class Args:
     """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
-    total_episodes: int = 320
+    total_episodes: int = 512
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
     """the micro-batch size per process: responses in one training forward/backward"""
@@ -347,22 +348,79 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-def policy_logits(policy, query_responses, pad_token_id, context_length):
+def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The attribute name and the list of transformer blocks of a transformers model's backbone."""
+    for name, child in model.base_model.named_children():
+        if isinstance(child, nn.ModuleList):
+            return name, child
+    raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
+
+
+@contextmanager
+def blocks_only(model: nn.Module, start: int, stop: int | None = None):
+    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed."""
+    name, blocks = transformer_blocks(model)
+    setattr(model.base_model, name, blocks[start:stop])
+    try:
+        yield
+    finally:
+        setattr(model.base_model, name, blocks)
+
+
+def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
+    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks (see --num-trainable-layers).
+
+    They cannot change during training, and policy, reference and a value model initialised from the same checkpoint
+    share them exactly. Computed once per update, they replace 2 + 2 x num_ppo_epochs x num_mini_batches passes through
+    those blocks: every later forward starts from them (`trunk=`) and runs only the top blocks."""
+    outputs = []
+    hook = transformer_blocks(model)[1][num_frozen - 1].register_forward_hook(
+        lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
+    try:
+        with blocks_only(model, 0, num_frozen):
+            model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+    finally:
+        hook.remove()
+    return outputs[0]
+
+
+def split_forward_is_exact(model, probe: torch.Tensor, pad_token_id: int, num_frozen: int) -> bool:
+    """Whether starting from `frozen_trunk` reproduces the full forward on a probe batch."""
+    with torch.no_grad():
+        full = scalar_outputs(model, probe, pad_token_id)
+        trunk = (frozen_trunk(model, probe, pad_token_id, num_frozen), num_frozen)
+        return torch.allclose(full, scalar_outputs(model, probe, pad_token_id, trunk), rtol=1e-4, atol=1e-5)
+
+
+def backbone_inputs(model, query_responses, pad_token_id, trunk):
+    """Model inputs and a context: the whole model, or (trunk = (hidden states, num_frozen)) the top blocks alone."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    hidden, num_frozen = trunk
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": hidden}, blocks_only(model, num_frozen)
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    inputs, blocks = backbone_inputs(policy, query_responses, pad_token_id, trunk)
+    with blocks:
+        out = policy(**inputs, logits_to_keep=response_length + 1, use_cache=False)
     return out.logits[:, :-1]
 
 
-def scalar_outputs(scalar_model, query_responses, pad_token_id):
+def scalar_outputs(scalar_model, query_responses, pad_token_id, trunk=None):
     """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
-    backbone = getattr(scalar_model, scalar_model.base_model_prefix)
-    return backbone(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+    inputs, blocks = backbone_inputs(scalar_model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return scalar_model.base_model(**inputs, use_cache=False).last_hidden_state
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length):
+def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None):
     """values[:, t] is read at the hidden state just before response token t."""
-    hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    hidden = scalar_outputs(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float()
 
 
@@ -383,9 +441,9 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, query_responses, pad_token_id, context_length):
-        return (policy_logits(self.policy, query_responses, pad_token_id, context_length),
-                value_forward(self.value_model, query_responses, pad_token_id, context_length))
+    def forward(self, query_responses, pad_token_id, context_length, policy_trunk=None, value_trunk=None):
+        return (policy_logits(self.policy, query_responses, pad_token_id, context_length, policy_trunk),
+                value_forward(self.value_model, query_responses, pad_token_id, context_length, value_trunk))
 
 
 @torch.no_grad()
@@ -535,11 +593,10 @@ def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
 
     The input embeddings (and an output head tied to them) and the lower blocks get no gradient, no optimizer state,
     and no backward pass: on a CPU this decides whether a 135M model trains in minutes or hours."""
-    base = model.base_model
-    blocks = next((m for m in base.children() if isinstance(m, nn.ModuleList)), None)
-    if blocks is None or not 0 < num_trainable_layers <= len(blocks):
+    blocks = transformer_blocks(model)[1]
+    if not 0 < num_trainable_layers <= len(blocks):
         raise ValueError(f"--num-trainable-layers {num_trainable_layers}: {type(model).__name__} has "
-                         f"{len(blocks) if blocks is not None else 'no'} transformer blocks")
+                         f"{len(blocks)} transformer blocks")
     model.get_input_embeddings().requires_grad_(False)
     for block in blocks[: len(blocks) - num_trainable_layers]:
         block.requires_grad_(False)
@@ -809,6 +866,17 @@ def main(args: Args) -> None:
     if args.num_trainable_layers is not None:
         for m in (policy, value_model):
             freeze_bottom_layers(m, args.num_trainable_layers)
+    # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
+    # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards.
+    num_frozen = {}
+    if args.num_trainable_layers is not None:
+        probe = left_pad(train_dataset[:2]["input_ids"], pad_token_id)
+        for name, m in (("policy", policy), ("value", value_model)):
+            frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
+            if frozen > 0 and split_forward_is_exact(m, probe, pad_token_id, frozen):
+                num_frozen[name] = frozen
+    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
+    value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
     model = PolicyAndValueWrapper(policy, value_model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -925,15 +993,26 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 3. Scoring forwards: reference log-probs, values, scores
             # ====================================================================================================
-            ref_logprobs, values = [], []
+            ref_logprobs, values, policy_trunks, value_trunks = [], [], [], []
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
-                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
+                # the reference shares the policy's frozen blocks: the same SFT weights, never trained
+                policy_trunk = (frozen_trunk(unwrapped.policy, qr, pad_token_id, num_frozen["policy"]),
+                                num_frozen["policy"]) if "policy" in num_frozen else None
+                value_trunk = policy_trunk if value_shares_trunk else (
+                    (frozen_trunk(unwrapped.value_model, qr, pad_token_id, num_frozen["value"]), num_frozen["value"])
+                    if "value" in num_frozen else None)
+                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length, policy_trunk),
                                           args.temperature, pad_token_id)
                 ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
                 del ref_logits
-                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
+                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
+                policy_trunks.append(policy_trunk[0] if policy_trunk else None)
+                value_trunks.append(value_trunk[0] if value_trunk else None)
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
+            policy_trunks = torch.cat(policy_trunks) if "policy" in num_frozen else None
+            value_trunks = policy_trunks if value_shares_trunk else (
+                torch.cat(value_trunks) if "value" in num_frozen else None)
             scores = score_responses(queries, responses)
             time_scoring = time.perf_counter() - timer - time_generation
 
@@ -977,7 +1056,10 @@ def main(args: Args) -> None:
                     with accelerator.accumulate(model):
                         mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
                                                               + args.per_device_train_batch_size], device=device)
-                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
+                        logits, vpred = model(
+                            query_responses[mbi], pad_token_id, context_length,
+                            (policy_trunks[mbi], num_frozen["policy"]) if policy_trunks is not None else None,
+                            (value_trunks[mbi], num_frozen["value"]) if value_trunks is not None else None)
                         logits = scale_logits(logits, args.temperature, pad_token_id)
                         new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
@@ -1064,7 +1146,7 @@ def main(args: Args) -> None:
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
                             args.save_total_limit)
         progress.update(progress_task, advance=1)
-        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
+        del query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values, rewards, advantages, returns
     progress.stop()
     if args.num_sample_generations > 0:
         sample_table("samples after training", sizes.num_updates + 1)

@@ -264,6 +264,30 @@ def test_freeze_bottom_layers_leaves_only_the_top_blocks_trainable(assets):
             ppo.freeze_bottom_layers(model, 3)
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
+    """Policy logits and values computed from the cached frozen blocks equal full forwards, left padding included."""
+    paths = build_models(tmp_path, arch=arch)
+    policy = AutoModelForCausalLM.from_pretrained(paths["sft"])
+    value = AutoModelForSequenceClassification.from_pretrained(paths["rm"])
+    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
+    with torch.no_grad():
+        for model, forward in ((policy, ppo.policy_logits), (value, ppo.value_forward)):
+            assert ppo.split_forward_is_exact(model, qr, PAD, 1)
+            trunk = (ppo.frozen_trunk(model, qr, PAD, 1), 1)
+            torch.testing.assert_close(forward(model, qr, PAD, 2, trunk), forward(model, qr, PAD, 2), rtol=1e-5,
+                                       atol=1e-6)
+        assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
+
+
+def test_split_forward_is_refused_where_it_is_not_exact():
+    """GPT-2 adds position embeddings to its inputs inside the backbone: starting from a trunk would add them twice."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=31, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    assert not ppo.split_forward_is_exact(gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
+
+
 def test_vader_reward_is_sentiment():
     good, bad, neutral = ppo.load_reward_fn("vader")(["", "", ""], ["I love this movie, it was wonderful!",
                                                                    "This film was terrible and boring.", "w3 w4"])
