@@ -1,0 +1,1101 @@
+# PPO on Reddit TL;DR summarization, CleanRL style: the setup of "The N+ Implementation Details of RLHF with PPO: A Case
+# Study on TL;DR Summarization" (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD"), in one
+# file read top to bottom. Docs: README.md. A sibling of ppo.py (the flags they share, the metric names and the
+# checkpoints are the same), written to stand alone: nothing is imported from it. "N+ detail k" refers to the numbered
+# list in the README's TL;DR section (reconstructed from the SFD code); where TRL's PPOTrainer had a bug, the fix is
+# named in a comment with the word "TRL".
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
+QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
+TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
+EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
+
+
+@dataclass
+class Args:
+    # common args
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (python, numpy and torch; rank r uses seed + r * 100003)"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "tldr_summarize"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    output_dir: str | None = None
+    """the run's folder (models, args.json, metrics.jsonl, eval/ tables); default runs/{run_name}"""
+
+    # models: each a hub id or a local directory. The defaults are the paper's Pythia-1B SFT policy and reward model.
+    sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    """the policy to train, also the frozen reference (N+ detail 19)"""
+    reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    """the reward model (AutoModelForSequenceClassification, num_labels=1, same tokenizer as the policy)"""
+    value_model_path: str | None = None
+    """initialises the value model; default: the reward model (N+ detail 18)"""
+
+    # data: a hub id, a local dataset directory, a `save_to_disk` directory, or a .json/.jsonl/.parquet/.csv file
+    dataset_name: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    """the Reddit posts, with columns subreddit, title, post and summary (the reference TL;DR)"""
+    dataset_config: str | None = None
+    """the configuration of --dataset-name, if it has several"""
+    dataset_train_split: str = "train"
+    """the split to train on"""
+    dataset_eval_split: str = "validation"
+    """the split of held-out posts to validate on (a single file is one split: give --eval-dataset-name instead)"""
+    eval_dataset_name: str | None = None
+    """the held-out posts, if not in --dataset-name: hub id, directory or file (--dataset-config is not applied)"""
+    max_query_length: int = 512
+    """the query's token budget: the post is cut at its last newline until the query fits (N+ detail 2)"""
+    eval_samples: int | None = 256
+    """validate on the first N held-out posts (None: all of them)"""
+    eval_every: int = 100
+    """validate every N updates, and always after the last one (0: only after the last)"""
+
+    # batch sizes (see `batch_sizes` below for the arithmetic). Defaults: TRL's documented 8-GPU run, batch 512
+    total_episodes: int = 1_000_000
+    """the total number of sampled responses to train on (the one budget knob)"""
+    per_device_train_batch_size: int = 16
+    """the micro-batch size per process: responses in one training forward/backward"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches accumulated into one minibatch, which is one optimizer step"""
+    num_mini_batches: int = 1
+    """minibatches (optimizer steps) per PPO epoch"""
+    num_ppo_epochs: int = 4
+    """passes of PPO over each rollout batch"""
+    local_rollout_forward_batch_size: int = 16
+    """per-process chunk size for generation, validation and the no-grad reference/value/reward forwards"""
+
+    # generation
+    response_length: int = 53
+    """the maximum number of generated tokens (53: the SFT length limit of the TL;DR references)"""
+    stop_token: Literal["eos"] | None = "eos"
+    """`eos`: stop at the eos token and truncate after it (N+ detail 21); None: always sample to --response-length"""
+    temperature: float = 0.7
+    """the sampling temperature; the same temperature divides the logits in every forward (N+ detail 23)"""
+    missing_eos_rule: Literal["replace", "subtract", "none"] = "replace"
+    """a response without eos: `replace` its score (N+/SFD), `subtract` a penalty from it (TRL), or `none`"""
+    penalty_reward_value: float = -1.0
+    """the score a response without eos gets under --missing-eos-rule replace (N+ detail 22)"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score of a response without eos under --missing-eos-rule subtract (TRL's documented 1.0)"""
+
+    # PPO
+    kl_coef: float = 0.05
+    """the KL coefficient (beta) of the per-token KL penalty (N+ detail 24)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: log(pi/pi_ref); k3: (r - 1) - log r with r = pi_ref/pi (unbiased, always >= 0)"""
+    cliprange: float = 0.2
+    """the policy-ratio clip range"""
+    vf_coef: float = 0.1
+    """the value-loss coefficient"""
+    cliprange_value: float = 0.2
+    """the value clip range (absolute, around the rollout's values)"""
+    gamma: float = 1.0
+    """the discount factor"""
+    lam: float = 0.95
+    """the GAE lambda"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked) before GAE (off in the paper's runs, N+ detail 26)"""
+
+    # optimizer
+    learning_rate: float = 3e-6
+    """the AdamW learning rate, annealed linearly to 0 over the updates (N+ details 10 and 29)"""
+    max_grad_norm: float | None = 1.0
+    """clip the global gradient norm of policy + value to this (None: no clipping)"""
+
+    # checkpoints
+    save_every: int = 0
+    """write a resumable checkpoint every N updates (0: only at the end)"""
+    save_total_limit: int | None = None
+    """keep only the newest N checkpoints (None: keep all)"""
+    resume: str | None = None
+    """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
+    trust_remote_code: bool = False
+    """let model and tokenizer repositories run their own code (off: they never do)"""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batch-size arithmetic
+# ----------------------------------------------------------------------------------------------------------------
+class BatchSizes(NamedTuple):
+    world_size: int
+    local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
+    local_batch_size: int  # per process, responses sampled per update
+    mini_batch_size: int  # over all processes
+    batch_size: int  # over all processes, responses per update
+    num_updates: int
+
+
+def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
+    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
+
+    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
+    local_batch_size      = local_mini_batch_size * num_mini_batches
+    batch_size            = local_batch_size * world_size
+    num_updates           = ceil(total_episodes / batch_size)
+    """
+    for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
+                    ("gradient_accumulation_steps", gradient_accumulation_steps),
+                    ("num_mini_batches", num_mini_batches), ("world_size", world_size),
+                    ("total_episodes", total_episodes)]:
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
+    local_batch_size = local_mini_batch_size * num_mini_batches
+    batch_size = local_batch_size * world_size
+    return BatchSizes(world_size, local_mini_batch_size, local_batch_size, local_mini_batch_size * world_size,
+                      batch_size, math.ceil(total_episodes / batch_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small pure helpers: the same as ppo.py's, which tests/test_math.py checks against naive float64 loops
+# (tests/test_tldr.py checks that these copies still compute what ppo.py's do)
+# ----------------------------------------------------------------------------------------------------------------
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True in each row of `bools`, or the row length if there is none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+    """Replace every token after the first stop token with pad; the stop token itself is kept (N+ detail 21)."""
+    trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
+    idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
+    return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
+    """The sampling distribution, in float32: logits / (T + 1e-7), with the pad id never sampled.
+
+    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
+    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
+    the response would silently end there, so it gets the lowest logit.
+    """
+    logits = logits.float() / (temperature + 1e-7)
+    if pad_token_id < logits.size(-1):
+        logits[..., pad_token_id] = torch.finfo(logits.dtype).min
+    return logits
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
+    return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(p * l)."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    if unbiased:
+        if n < 2:
+            raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+        variance = variance * n / (n - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds the mean back."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
+
+    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
+    position, the value read at the last real token, which is where the score lands (N+ detail 25).
+    """
+    idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
+    return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    logr = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -logr
+    if estimator == "k3":
+        return torch.expm1(logr) - logr
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1 or k3")
+
+
+def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
+    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
+    policy only through GAE, as the value read at the last real token."""
+    return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
+
+
+def compute_rewards(scores, kl, kl_coef, sequence_lengths):
+    """Per-token rewards: -kl_coef * kl everywhere, plus the score at `score_positions`."""
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rows = torch.arange(rewards.size(0), device=rewards.device)
+    rewards[rows, score_positions(sequence_lengths, rewards.size(1))] += scores
+    return rewards, non_score_reward
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
+
+    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
+    """
+    lastgaelam = 0
+    advantages_reversed = []
+    gen_length = rewards.size(1)
+    for t in reversed(range(gen_length)):
+        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
+    """Clipped surrogate objective, averaged over real tokens only.
+
+    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
+    over padding as well, which diluted them).
+    """
+    mask = ~padding_mask
+    logprobs_diff = new_logprobs - old_logprobs
+    ratio = torch.exp(logprobs_diff)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask)
+        approxkl = 0.5 * masked_mean(logprobs_diff**2, mask)
+        ratio_mean = masked_mean(ratio, mask)
+    return loss, clipfrac, approxkl, ratio_mean
+
+
+def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), averaged over ~padding_mask_p1."""
+    mask = ~padding_mask_p1
+    vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1 = (vpred - returns) ** 2
+    vf_losses2 = (vpredclipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
+    return loss, clipfrac
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
+    as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD]
+# token added to the tokenizer needs no embedding resize (N+ detail 6). Explicit position ids keep left padding
+# correct for absolute-position models.
+# ----------------------------------------------------------------------------------------------------------------
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    attention_mask = query_responses != pad_token_id
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
+                position_ids=attention_mask.cumsum(1) - attention_mask.long())
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length):
+    """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
+    response_length = query_responses.size(1) - context_length
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    return out.logits[:, :-1]
+
+
+def scalar_outputs(scalar_model, query_responses, pad_token_id):
+    """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
+    backbone = getattr(scalar_model, scalar_model.base_model_prefix)
+    return backbone(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+
+
+def score_bias(config) -> float:
+    """The reward normalisation the N+ reward code stores in the model's config (N+ detail 14): `config.bias` = the
+    reward model's mean score on the reference summaries, subtracted from every score so that references average 0.
+
+    Scores here are always `score(backbone(x))`, never the model's own forward, so no model class applies it for us:
+    it is subtracted below, for the reward model and for a value model initialised from it, whose config carries the
+    same bias (SFD's critic is the reward model's class, whose forward subtracts it: N+ detail 18). Only a number
+    counts: a bool `bias` is an architecture flag (Falcon: linear layers with biases), not a normalisation."""
+    bias = getattr(config, "bias", None)
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        return 0.0
+    return float(bias)
+
+
+def value_forward(value_model, query_responses, pad_token_id, context_length):
+    """values[:, t] is read at the hidden state just before response token t (minus the inherited `score_bias`)."""
+    hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
+
+
+def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
+    """The reward model's score at the last non-pad token of the response, its eos (N+ detail 12; the query part is
+    left-padded, so only the response part is searched), minus `score_bias`. An all-pad response is scored at the last
+    query token."""
+    hidden = scalar_outputs(reward_model, query_responses, pad_token_id)
+    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    scores = reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+    return scores - score_bias(reward_model.config)  # N+ detail 14: reference summaries average 0
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
+    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, query_responses, pad_token_id, context_length):
+        return (policy_logits(self.policy, query_responses, pad_token_id, context_length),
+                value_forward(self.value_model, query_responses, pad_token_id, context_length))
+
+
+@torch.no_grad()
+def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None):
+    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
+
+    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
+    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
+    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
+    it are cut by `truncate_response`.
+    """
+    inputs = model_inputs(queries, pad_token_id)
+    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    out = policy(**inputs, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    for step in range(response_length):
+        logits = scale_logits(out.logits[:, -1], temperature, pad_token_id)
+        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        tokens.append(token)
+        logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
+        if stop_token_id is not None:
+            finished |= token.squeeze(-1) == stop_token_id
+        if step == response_length - 1 or finished.all():
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        position_ids = position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
+    """The prompts that `rank` samples responses for at `update` (1-based).
+
+    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
+    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
+    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
+    """
+    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    start = batch * sizes.batch_size + rank * sizes.local_batch_size
+    return permutation[start:start + sizes.local_batch_size]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
+    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
+    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
+    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
+    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
+    final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_atomic(checkpoints / "latest", final.name)
+        if save_total_limit is not None:
+            for old in sorted(checkpoints.glob("update-*"))[:-save_total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
+    """`auto`: the checkpoint that output_dir/checkpoints/latest names (None if there is none yet); else the path."""
+    if resume == "auto":
+        if output_dir is None:
+            raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+        pointer = output_dir / "checkpoints" / "latest"
+        return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+    return path
+
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TL;DR specifics: queries, references, the missing-eos rule (tests/test_tldr.py checks each)
+# ----------------------------------------------------------------------------------------------------------------
+def format_query(subreddit: str, title: str, post: str) -> str:
+    return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
+
+
+def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
+                   max_query_length: int) -> tuple[str, list[int]]:
+    """The query and its tokens, with the post cut until the query fits `max_query_length` tokens (N+ detail 2).
+
+    As SFD's tldr_dataset.py (after OpenAI's tasks.py): repeatedly cut the post at its last newline, so whole
+    paragraphs go first; with no newline left, at its last space (SFD drops one character at a time there: the same
+    cut, rounded to a whole word); with no space left, one character. SUBREDDIT, TITLE and the closing "TL;DR:"
+    always stay. Raises ValueError if even an empty post does not fit.
+    """
+    while True:
+        query = format_query(subreddit, title, post)
+        ids = encode(query)
+        if len(ids) <= max_query_length:
+            return query, ids
+        if not post:
+            raise ValueError(f"the query for the post titled {title[:80]!r} is {len(ids)} tokens with an empty post: "
+                             f"--max-query-length {max_query_length} is too small for its subreddit and title")
+        cut = post.rfind("\n")
+        if cut < 0:
+            cut = post.rfind(" ")
+        post = post[:cut] if cut >= 0 else post[:-1]
+
+
+def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
+    """For `Dataset.map(batched=True)`: the truncated query text and tokens, and the reference tokens.
+
+    The reference is " " + summary + eos (N+ detail 4): the summaries carry no leading space, and the reward model was
+    trained on responses that end in eos. The eos id is appended, not written as text, so no tokenizer can split it.
+    The query's last token must not be eos (TRL's ppo_tldr.py asserts it too): with a tokenizer that appends eos, the
+    policy would be asked to write after an end-of-text, which neither it nor the reward model was trained on."""
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
+    out = {"query": [], "input_ids": [], "reference_ids": []}
+    for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
+        query, ids = truncate_query(encode, subreddit, title, post, max_query_length)
+        if ids[-1] == tokenizer.eos_token_id:
+            raise ValueError(f"the query for {title[:80]!r} ends in the eos token: the tokenizer appends eos to every "
+                             "text (e.g. add_eos_token=True); use a tokenizer that does not")
+        out["query"].append(query)
+        out["input_ids"].append(ids)
+        out["reference_ids"].append(tokenizer(" " + summary, add_special_tokens=False)["input_ids"]
+                                    + [tokenizer.eos_token_id])
+    return out
+
+
+def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
+                           missing_eos_penalty: float) -> torch.Tensor:
+    """The score of a response that never produced eos (N+ detail 22: the policy must learn to end its summary).
+
+    replace  (N+ / SFD): the score becomes `penalty_reward_value` (-1), whatever the reward model said;
+    subtract (TRL):      `missing_eos_penalty` is subtracted from the score;
+    none:                the score is kept."""
+    if rule == "replace":
+        return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
+    if rule == "subtract":
+        return scores - missing_eos_penalty * (~contain_eos).to(scores.dtype)
+    if rule == "none":
+        return scores
+    raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
+
+
+def right_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Right-pad token lists into one (batch, longest) tensor: responses start right after the query."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([list(s) + [pad_token_id] * (width - len(s)) for s in sequences], dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading and checks
+# ----------------------------------------------------------------------------------------------------------------
+def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
+    """A hub id, a dataset directory (e.g. train.jsonl + validation.jsonl), a `save_to_disk` directory, or a
+    json/jsonl/parquet/csv file (one split: `split` is not used). Refuses data without the TL;DR columns."""
+    path = Path(name)
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        ds = load_dataset(kind, data_files=str(path), split="train")
+    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = load_from_disk(str(path))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
+            ds = ds[split]
+    else:
+        try:
+            ds = load_dataset(name, config, split=split)
+        except ValueError as e:  # datasets' message names the splits there are
+            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
+    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
+                         f"{list(TLDR_COLUMNS)}")
+    if len(ds) == 0:
+        raise ValueError(f"{flag} {name}: split {split!r} is empty")
+    return ds
+
+
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
+
+
+def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int) -> None:
+    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step).
+    A float64 checksum per process, compared across processes, catches a silent divergence at the update it happens.
+    Skipped under DeepSpeed, whose ZeRO stages shard state between processes."""
+    if accelerator.num_processes == 1 or accelerator.state.deepspeed_plugin is not None:
+        return
+    checksum = sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
+    gathered = accelerator.gather(checksum.reshape(1).to(accelerator.device))
+    if not torch.all(gathered == gathered[0]):
+        raise RuntimeError(f"update {update}: the processes' weights differ (checksums {gathered.tolist()})")
+
+
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict) -> None:
+    """The resolved batch arithmetic, and per model an estimate of its memory: weights, plus gradients and AdamW's two
+    moments for the trainable parameters (activations and the rollout come on top)."""
+    steps = args.num_ppo_epochs * args.num_mini_batches
+    console.print(f"[bold]{run_name}[/bold]\n"
+                  f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
+                  f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
+                  f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
+    table = Table("model", "parameters", "trainable", "memory estimate", "score bias")
+    for name, model in models.items():
+        params = list(model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        trainable = [p for p in params if p.requires_grad]
+        training = sum(p.numel() * (p.element_size() + 8) for p in trainable)  # gradient + fp32 Adam moments
+        bias = f"{score_bias(model.config):.4g}" if name in ("value model", "reward model") else ""
+        table.add_row(name, f"{sum(p.numel() for p in params) / 1e6:.1f}M",
+                      f"{sum(p.numel() for p in trainable) / 1e6:.1f}M", f"{(weights + training) / 2**30:.2f} GiB",
+                      bias)
+    console.print(table)
+
+
+def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
+    """The first validation rows on the console (the query shortened to its start: the eval table file has it all)."""
+    table = Table(title=title, show_lines=True)
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
+        table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
+    console.print(table)
+
+
+def main(args: Args) -> None:
+    # ============================================================================================================
+    # 0. Set-up: validate everything cheap before any model is loaded
+    # ============================================================================================================
+    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
+                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
+                                 ("--stop-token", args.stop_token, ("eos", None))):
+        if value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
+    for flag, value, low in (("--max-query-length", args.max_query_length, 1), ("--response-length",
+                             args.response_length, 1), ("--eval-every", args.eval_every, 0),
+                             ("--eval-samples", 1 if args.eval_samples is None else args.eval_samples, 1),
+                             ("--local-rollout-forward-batch-size", args.local_rollout_forward_batch_size, 1),
+                             ("--save-every", args.save_every, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    # One optimizer step per minibatch of gradient_accumulation_steps micro-batches (N+ detail 32; TRL's arithmetic
+    # broke it for num_mini_batches > 1). There is no prepared DataLoader (see `rollout_indices`): with one, accelerate
+    # would also step after every micro-batch of each update that used an epoch's last batch (sync_with_dataloader).
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: any other value would break
+    # "one optimizer step per minibatch", so refuse it here.
+    ds_plugin = accelerator.state.deepspeed_plugin
+    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
+            "auto", args.gradient_accumulation_steps):
+        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
+                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
+                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
+                         "the config and set the flag")
+    if ds_plugin is not None and ds_plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+        # ZeRO-3 gathers each layer's weights with a collective in every forward, and here every process samples (and
+        # stops once its responses have their eos) on its own: processes would wait on each other forever.
+        raise ValueError("DeepSpeed ZeRO-3 is not supported (generation runs per process); use ZeRO-2 as the paper "
+                         "does: accelerate_configs/deepspeed_zero2.yaml")
+    if ds_plugin is not None:
+        # DeepSpeed clips inside its own step, from its config, and accelerate fills an "auto" there with 1.0: write
+        # --max-grad-norm into it (0 = off), or the flag would be ignored. With no DataLoader to read it from, DeepSpeed
+        # also needs the micro-batch size spelled out.
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+        if ds_plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    if args.whiten_rewards and sizes.local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
+    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
+        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
+                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
+    device = accelerator.device
+    console = Console()
+    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
+    remote = dict(trust_remote_code=args.trust_remote_code)
+    value_model_path = args.value_model_path or args.reward_model_path
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    model_config = AutoConfig.from_pretrained(args.sft_model_path, **remote)
+
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
+
+    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
+                         "in eos, where the reward model reads its score")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
+        # the reward model reads the token before it, so the policy never learns to stop.
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    stop_token_id = eos_token_id if args.stop_token == "eos" else None
+
+    # posts: formatted, truncated and tokenised once (one process per machine first, the others read its cache)
+    train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
+    eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
+                                   None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
+                                   "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
+    if len(train_dataset) < sizes.batch_size:
+        raise ValueError(f"{args.dataset_name} has {len(train_dataset)} posts in {args.dataset_train_split!r}: too few "
+                         f"for one rollout batch of {sizes.batch_size}")
+    if args.eval_samples is not None:
+        eval_dataset = eval_dataset.select(range(min(args.eval_samples, len(eval_dataset))))
+    if len(eval_dataset) < accelerator.num_processes:
+        raise ValueError(f"{len(eval_dataset)} held-out posts cannot be shared by {accelerator.num_processes} "
+                         "processes: raise --eval-samples")
+    with accelerator.local_main_process_first():
+        tokenize = dict(function=tokenize_tldr, batched=True, fn_kwargs=dict(tokenizer=tokenizer,
+                                                                            max_query_length=args.max_query_length))
+        train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
+        train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
+        eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
+    # queries (at most --max-query-length tokens), responses and references must fit the positions of the policy and
+    # the reward model
+    max_positions = min((p for p in (getattr(model_config, "max_position_embeddings", None),
+                                     getattr(reward_config, "max_position_embeddings", None)) if p), default=None)
+    longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
+    if max_positions is not None and args.max_query_length + longest_response > max_positions:
+        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
+                         f"({longest_response} tokens) exceeds the models' {max_positions} positions: lower "
+                         "--max-query-length or --response-length")
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+        if changed:
+            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                             "with the original flags, or the data order and learning rate would not continue")
+
+    # ============================================================================================================
+    # 1. Models: policy, frozen reference (N+ detail 19), value model initialised from the reward model (N+ detail
+    #    18), reward model. Separate networks, no shared trunk (N+ detail 17).
+    # ============================================================================================================
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **remote)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **remote)
+    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+        value_model_path, num_labels=1, output_loading_info=True, **remote)
+    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+        # A fresh head on a language-model trunk (--value-model-path given a causal LM): start at V = 0 instead of a
+        # random head on hidden states whose norm can be large (LMHP initialises its value head at 0).
+        nn.init.zeros_(value_model.score.weight)
+        if value_model.score.bias is not None:
+            nn.init.zeros_(value_model.score.bias)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **remote)
+    for m in (policy, ref_policy, value_model, reward_model):
+        disable_dropout(m)  # N+ detail 7
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    for m in (ref_policy, reward_model):
+        m.eval().requires_grad_(False).to(device)
+        if ds_plugin is not None and half is not None:
+            # DeepSpeed casts the policy's weights to half precision (and autocast is off): give the reference and
+            # the reward model the same dtype, as TRL's prepare_deepspeed and SFD's inference engines do, so that the
+            # KL starts at 0 instead of at the fp32-vs-bf16 rounding difference.
+            m.to(half)
+    model = PolicyAndValueWrapper(policy, value_model)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
+    torch.manual_seed(local_seed)
+    start_update = 1
+    if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(checkpoint))
+        start_update = saved["update"] + 1
+        if accelerator.is_main_process:
+            console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
+
+    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint); wandb with --track
+    metrics_file = None
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # the tokenizer as given (left padding, no [PAD]: the [PAD] above is a training-time device only)
+        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote).save_pretrained(output_dir)
+        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
+        metrics_path = output_dir / "metrics.jsonl"
+        kept = [line for line in (metrics_path.read_text().splitlines() if checkpoint and metrics_path.exists()
+                                  else []) if json.loads(line)["update"] < start_update]
+        write_atomic(metrics_path, "".join(line + "\n" for line in kept))
+        metrics_file = open(metrics_path, "a")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
+                       save_code=True)
+        print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
+                                                      "value model": value_model, "reward model": reward_model})
+
+    chunk = args.local_rollout_forward_batch_size
+
+    def score_responses(queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
+        return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]),
+                                                                      1), pad_token_id, queries.size(1))
+                          for i in range(0, queries.size(0), chunk)])
+
+    # validation posts: each process takes every world_size-th one; the reference summaries are scored once, the
+    # same way as responses (the reward model reads the eos that ends them)
+    eval_local = list(range(accelerator.process_index, len(eval_dataset), accelerator.num_processes))
+    eval_rows = eval_dataset.select(eval_local)
+    eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device)
+    with torch.no_grad(), accelerator.autocast():
+        reference_scores = score_responses(eval_queries, right_pad(eval_rows["reference_ids"], pad_token_id).to(device))
+    all_reference_scores = gather_object(reference_scores.tolist())
+    reference_score = sum(all_reference_scores) / len(all_reference_scores)
+    references = [tokenizer.decode(ids) for ids in eval_rows["reference_ids"]]
+
+    def evaluate(update: int) -> dict:
+        """Near-greedy (T = 0.01) summaries of the held-out posts (N+ detail 30), scored by the reward model without
+        the missing-eos rule, as SFD's objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Every
+        rank runs it on its share of the posts. Its own generator keeps it from shifting the training RNG."""
+        unwrapped = accelerator.unwrap_model(model)
+        generator = torch.Generator(device=device).manual_seed(args.seed + update)
+        with torch.no_grad(), accelerator.autocast():
+            responses = pad_right([generate(unwrapped.policy, eval_queries[i:i + chunk], pad_token_id,
+                                            args.response_length, EVAL_TEMPERATURE, stop_token_id, generator)[0]
+                                   for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
+            if stop_token_id is not None:
+                responses = truncate_response(stop_token_id, pad_token_id, responses)
+            scores = score_responses(eval_queries, responses)
+        rows = gather_object([(index, {"query": query, "reference": reference,
+                                       "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
+                                       "score": score})
+                              for index, query, reference, r, score in zip(eval_local, eval_rows["query"], references,
+                                                                           responses, scores.tolist())])
+        rows = [row for _, row in sorted(rows, key=lambda item: item[0])]
+        if accelerator.is_main_process:
+            (output_dir / "eval").mkdir(exist_ok=True)
+            write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
+                         "".join(json.dumps(row) + "\n" for row in rows))
+            print_eval_table(progress.console, rows[:3], f"validation after update {update}")
+            if args.track:
+                wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                          step=update)
+        return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
+                "objective/reference_score": reference_score}
+
+    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    start_time = time.time()
+    checkpoints = output_dir / "checkpoints"
+    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                        disable=not accelerator.is_main_process)
+    progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
+    progress.start()
+    for update in range(start_update, sizes.num_updates + 1):
+        episode = update * sizes.batch_size
+        # learning rate: linear anneal to 0, once per update (N+ detail 29)
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
+        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
+        context_length = queries.size(1)
+        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        timer = time.perf_counter()
+        with torch.no_grad(), accelerator.autocast():
+            # ====================================================================================================
+            # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
+            # ====================================================================================================
+            unwrapped = accelerator.unwrap_model(model)
+            generated = [generate(unwrapped.policy, queries[i:i + chunk], pad_token_id, args.response_length,
+                                  args.temperature, stop_token_id) for i in range(0, queries.size(0), chunk)]
+            responses = pad_right([r for r, _ in generated], pad_token_id)
+            logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+            del generated
+            time_generation = time.perf_counter() - timer
+            # truncate after eos, which is kept (N+ detail 21); everything is scored and trained on the truncated
+            # responses. Sampling stops once every row has its eos: SFD samples all 53 tokens and then cuts, which
+            # draws the kept tokens from the same distribution.
+            if stop_token_id is not None:
+                responses = truncate_response(stop_token_id, pad_token_id, responses)
+            query_responses = torch.cat((queries, responses), 1)
+            # index of the last real token (-1 for an empty response)
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
+            response_ids = responses.masked_fill(responses == pad_token_id, 0)
+
+            # ====================================================================================================
+            # 3. Scoring forwards: reference log-probs, values, scores; then the missing-eos rule (N+ detail 22)
+            # ====================================================================================================
+            ref_logprobs, values = [], []
+            for i in range(0, queries.size(0), chunk):
+                qr = query_responses[i:i + chunk]
+                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
+                                          args.temperature, pad_token_id)
+                ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+                del ref_logits
+                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
+            ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
+            scores = score_responses(queries, responses)
+            time_scoring = time.perf_counter() - timer - time_generation
+            contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
+            scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
+                                            args.penalty_reward_value, args.missing_eos_penalty)
+
+            # ====================================================================================================
+            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
+            # ====================================================================================================
+            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            values = values.masked_fill(padding_mask_p1, 0)
+            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
+            if args.whiten_rewards:  # N+ detail 26
+                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+
+            # ====================================================================================================
+            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
+            # ====================================================================================================
+            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+
+        # ================================================================================================================
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
+        #    (N+ detail 28)
+        # ================================================================================================================
+        timer = time.perf_counter()
+        model.train()
+        stats = {k: torch.zeros(stats_shape, device=device) for k in
+                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        optimizer_steps = 0
+        for ppo_epoch_idx in range(args.num_ppo_epochs):
+            b_inds = np.random.permutation(sizes.local_batch_size)
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
+                for micro_idx, micro_start in enumerate(range(0, sizes.local_mini_batch_size,
+                                                              args.per_device_train_batch_size)):
+                    with accelerator.accumulate(model):
+                        mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
+                                                              + args.per_device_train_batch_size], device=device)
+                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
+                        logits = scale_logits(logits, args.temperature, pad_token_id)
+                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
+                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
+                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
+                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
+                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
+                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
+                                                          args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
+                        nonfinite = torch.tensor(float(not torch.isfinite(loss)), device=device)
+                        if accelerator.reduce(nonfinite, "sum") > 0:  # every rank stops together
+                            raise FloatingPointError(
+                                f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}): "
+                                f"non-finite loss on some rank; the last good checkpoint is kept in {checkpoints}")
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            optimizer_steps += 1
+                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
+                            idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
+                            for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
+                                         ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
+                                         ("ratio", ratio_mean)):
+                                stats[k][idx] = v.detach()
+                    del logits, vpred, loss
+
+        time_training = time.perf_counter() - timer
+
+        # ================================================================================================================
+        # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
+        # ================================================================================================================
+        with torch.no_grad():
+            real = (~padding_mask).float()
+            local = torch.stack([
+                kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+                non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
+                (sequence_lengths + 1).float().mean(),
+            ])
+            gathered = accelerator.gather(local.unsqueeze(0))
+            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
+            stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
+            mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+            metrics = {
+                "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
+                "objective/kl": mean_kl,
+                "objective/entropy": mean_entropy,
+                "objective/non_score_reward": mean_nsr,
+                "objective/rlhf_reward": mean_nsr + mean_scores,
+                "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
+                "policy/approxkl_avg": stat_means["approxkl"],
+                "policy/clipfrac_avg": stat_means["pg_clipfrac"],
+                "loss/policy_avg": stat_means["pg_loss"],
+                "loss/value_avg": stat_means["vf_loss"],
+                "val/clipfrac_avg": stat_means["vf_clipfrac"],
+                "policy/entropy_avg": stat_means["entropy"],
+                "val/ratio": ratio_all.mean().item(),
+                # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
+                "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
+                "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
+                "val/response_length": mean_len,
+                "policy/optimizer_steps": optimizer_steps,
+                "time/generation": time_generation,  # seconds on rank 0: sampling
+                "time/scoring": time_scoring,  # reference, value and reward forwards
+                "time/training": time_training,  # PPO epochs
+                "lr": lr,
+                "episode": episode,
+            }
+
+        # ================================================================================================================
+        # 8. Validation on held-out posts every eval_every updates and after the last one (N+ detail 30)
+        # ================================================================================================================
+        if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
+            metrics.update(evaluate(update))
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=update)
+            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
+                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
+                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                 "objective/validation_score") if k in metrics))
+        check_replicas_agree(accelerator, model, update)
+        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
+                            args.save_total_limit)
+        progress.update(progress_task, advance=1)
+        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
+    progress.stop()
+
+    # ============================================================================================================
+    # 9. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). The value
+    #    model keeps the reward model's config, `bias` included: this script subtracts it again when it loads it.
+    # ============================================================================================================
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    if accelerator.is_main_process:
+        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
+            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
+                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
+                                            if k.startswith(name + ".")})
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
