@@ -25,10 +25,11 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
-DEFAULT_PROMPTS = "cache/movie_review_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+DEFAULT_PROMPTS = "cache/movie_review_chat_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Args:
     """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
-    total_episodes: int = 512
+    total_episodes: int = 384
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
     """the micro-batch size per process: responses in one training forward/backward"""
@@ -96,9 +97,13 @@ class Args:
 
     # PPO
     kl_coef: float = 0.05
-    """the KL coefficient (beta) of the per-token KL penalty"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1: log(pi/pi_ref); k3: (r - 1) - log r with r = pi_ref/pi (unbiased, always >= 0)"""
+    """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
+    kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
+    """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed beta)"""
+    kl_horizon: float = 10000
+    """adaptive KL: beta moves by at most 20% x (episodes per update / horizon) per update"""
     cliprange: float = 0.2
     """the policy-ratio clip range"""
     vf_coef: float = 0.1
@@ -111,6 +116,16 @@ class Args:
     """the GAE lambda"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
+    target_kl: float | None = None
+    """early stop: end the update's PPO epochs once a minibatch's masked approx KL (mean over processes) exceeds this"""
+    ratio_threshold: float | None = None
+    """skip a minibatch (no backward, no optimizer step) whose masked mean ratio exceeds this (costs a no-grad forward)"""
+    use_score_scaling: bool = False
+    """divide scores by the running standard deviation of all scores so far (over all processes)"""
+    use_score_norm: bool = False
+    """also subtract the running mean (implies the scaling)"""
+    score_clip: float | None = None
+    """clip scores to [-score_clip, score_clip], after any scaling"""
 
     # optimizer
     num_trainable_layers: int | None = 6
@@ -143,12 +158,6 @@ class BatchSizes(NamedTuple):
     mini_batch_size: int  # over all processes
     batch_size: int  # over all processes, responses per update
     num_updates: int
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
@@ -252,9 +261,54 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
+    if estimator == "k2":
+        return 0.5 * logr**2
     if estimator == "k3":
         return torch.expm1(logr) - logr
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1 or k3")
+    if estimator == "abs":
+        return logr.abs()
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) of the next-token distributions at each position: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
+    logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float, num_episodes: int) -> float:
+    """The adaptive KL controller of Ziegler et al. (2019), as in their code and classic TRL:
+    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon), with KL the batch mean of each response's
+    summed penalty, measured on the rollout, and n the episodes of the update over all processes."""
+    proportional_error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + proportional_error * num_episodes / kl_horizon)
+
+
+class RunningMoments:
+    """Mean and variance of every score seen so far (Chan et al.'s parallel update), from all processes' scores.
+    It starts at mean 0, variance 1 and a negligible count, so the first batch replaces it (as classic TRL)."""
+
+    def __init__(self, mean: float = 0.0, var: float = 1.0, count: float = 1e-24):
+        self.mean, self.var, self.count = mean, var, count
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs = xs.double()
+        batch_mean, batch_var, n = xs.mean().item(), xs.var(unbiased=False).item(), xs.numel()
+        delta, total = batch_mean - self.mean, self.count + n
+        self.var = (self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total
+        self.mean += delta * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """Unbiased (as classic TRL)."""
+        return math.sqrt(self.var * self.count / max(self.count - 1.0, 1e-24))
+
+
+def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
+    """Masked whitening that keeps the mean (shift_mean=False), then 0 at padding: classic TRL left the mean at padding
+    positions, and GAE carried it into the real tokens' advantages."""
+    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -619,8 +673,9 @@ BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
-    """The default prompts: the first words of the 10,605 Rotten Tomatoes snippets shipped in the vaderSentiment
-    sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once from PyPI with pip; no Hugging Face Hub needed."""
+    """The default prompts: one user turn, "Continue this movie review: <the first 8 words>", for the 10,605 Rotten
+    Tomatoes snippets shipped in the vaderSentiment sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once
+    from PyPI with pip; no Hugging Face Hub needed."""
     import io
     import subprocess
     import sys
@@ -643,8 +698,24 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
         for line in lines:  # id <TAB> mean human sentiment rating <TAB> text
             words = line.strip().split("\t")[-1].split()
             if len(words) > num_words:
-                f.write(json.dumps({"prompt": " ".join(words[:num_words])}) + "\n")
+                message = {"role": "user", "content": "Continue this movie review: " + " ".join(words[:num_words])}
+                f.write(json.dumps({"prompt": [message]}) + "\n")
     os.replace(tmp_path, path)
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of each prompt: a string as it is, or a list of {"role", "content"} messages rendered by the
+    tokenizer's chat template with the generation prompt appended (the template brings its own special tokens)."""
+    if not isinstance(prompts[0], list):
+        return tokenizer(prompts)["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template")
+    for messages in prompts:
+        roles = {m.get("role") for m in messages}
+        if not roles <= {"system", "user", "assistant", "tool"}:
+            raise ValueError(f"a prompt has an unknown role: {sorted(roles)}")
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -694,16 +765,20 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
 
 
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step).
-    A float64 checksum per process, compared across processes, catches a silent divergence at the update it happens.
-    Skipped under DeepSpeed, whose ZeRO stages shard state between processes."""
-    if accelerator.num_processes == 1 or accelerator.state.deepspeed_plugin is not None:
+def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
+    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
+    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
+    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
+    weights between processes, only the state is compared."""
+    if accelerator.num_processes == 1:
         return
-    checksum = sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-    gathered = accelerator.gather(checksum.reshape(1).to(accelerator.device))
+    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
+               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
+    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
+    gathered = accelerator.gather(local.unsqueeze(0))
     if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes' weights differ (checksums {gathered.tolist()})")
+        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
+                           f"moments): {gathered.tolist()}")
 
 
 def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict) -> None:
@@ -744,8 +819,11 @@ def main(args: Args) -> None:
     # ============================================================================================================
     if args.reward_model_path is not None and args.reward_fn is not None:
         raise ValueError("give one reward: --reward-model-path (a sequence classifier) or --reward-fn, not both")
-    if args.kl_estimator not in ("k1", "k3"):
-        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1 or k3")
+    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
+        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
+    for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     # One optimizer step per minibatch of gradient_accumulation_steps micro-batches. There is no prepared DataLoader
     # (see `rollout_indices`): with one, accelerate would also step after every micro-batch of each update that used an
     # epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
@@ -760,8 +838,14 @@ def main(args: Args) -> None:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    if ds_plugin is not None and args.max_grad_norm is not None:  # DeepSpeed clips inside its step, from its config
-        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+    if ds_plugin is not None:
+        if ds_plugin.zero_stage == 3:
+            # Generation stops when a process's own responses are done; under ZeRO-3 every process must join every
+            # forward, so processes would wait on each other forever. Not supported until generation is synchronised.
+            raise ValueError("DeepSpeed ZeRO-3 is not supported yet: use accelerate_configs/deepspeed_zero2.yaml")
+        # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
@@ -819,7 +903,7 @@ def main(args: Args) -> None:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
     with accelerator.local_main_process_first():
-        dataset = dataset.map(lambda batch: {"input_ids": tokenizer(batch[args.dataset_prompt_column])["input_ids"]},
+        dataset = dataset.map(lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column])},
                               batched=True, remove_columns=dataset.column_names)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest = max(len(ids) for ids in dataset["input_ids"])
@@ -884,20 +968,26 @@ def main(args: Args) -> None:
 
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
+    if ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score with the same precision, so KL starts at 0
+        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
+        for m in (ref_policy, reward_model):
+            if m is not None:
+                m.to(dtype)
     # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
-    start_update = 1
+    start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
     if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
         accelerator.load_state(str(checkpoint))
-        start_update = saved["update"] + 1
+        start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
+            **saved["score_moments"])
         if accelerator.is_main_process:
             console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
 
     # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint); wandb with --track
-    metrics_file = None
+    metrics_file = writer = None
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
@@ -910,7 +1000,10 @@ def main(args: Args) -> None:
             import wandb
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
-                       save_code=True)
+                       sync_tensorboard=True, save_code=True)
+        writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder (CleanRL, N+ convention)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
         print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
                                                       "value model": value_model, "reward model": reward_model})
 
@@ -993,7 +1086,7 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 3. Scoring forwards: reference log-probs, values, scores
             # ====================================================================================================
-            ref_logprobs, values, policy_trunks, value_trunks = [], [], [], []
+            ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
                 # the reference shares the policy's frozen blocks: the same SFT weights, never trained
@@ -1005,6 +1098,10 @@ def main(args: Args) -> None:
                 ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length, policy_trunk),
                                           args.temperature, pad_token_id)
                 ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+                if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
+                    full_kls.append(full_kl(scale_logits(policy_logits(unwrapped.policy, qr, pad_token_id,
+                                                                       context_length, policy_trunk),
+                                                         args.temperature, pad_token_id), ref_logits))
                 del ref_logits
                 values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
                 policy_trunks.append(policy_trunk[0] if policy_trunk else None)
@@ -1020,6 +1117,14 @@ def main(args: Args) -> None:
             contain_eos_token = (responses == eos_check_id).any(-1) if eos_check_id is not None else None
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
+            # classic score scaling: running moments of every score (all processes), then scale, then clip
+            trained_scores = scores
+            if args.use_score_scaling or args.use_score_norm:
+                score_moments.update(accelerator.gather(scores))
+                shift = score_moments.mean if args.use_score_norm else 0.0
+                trained_scores = (scores - shift) / (score_moments.std + torch.finfo(scores.dtype).eps)
+            if args.score_clip is not None:
+                trained_scores = trained_scores.clamp(-args.score_clip, args.score_clip)
 
             # ====================================================================================================
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
@@ -1028,10 +1133,13 @@ def main(args: Args) -> None:
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
-            rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
+            if args.kl_estimator == "full":
+                kl = torch.cat(full_kls).masked_fill(padding_mask, 0)
+            else:
+                kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             if args.whiten_rewards:
-                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+                rewards = whiten_rewards(rewards, padding_mask_p1)
 
             # ====================================================================================================
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
@@ -1046,20 +1154,43 @@ def main(args: Args) -> None:
         model.train()
         stats = {k: torch.zeros(stats_shape, device=device) for k in
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
-        optimizer_steps = 0
+        trained = torch.zeros(stats_shape, dtype=torch.bool, device=device)  # the minibatches that ran
+        optimizer_steps = skipped_minibatches = 0
+
+        def trunks(mbi):
+            return ((policy_trunks[mbi], num_frozen["policy"]) if policy_trunks is not None else None,
+                    (value_trunks[mbi], num_frozen["value"]) if value_trunks is not None else None)
+
+        def minibatch_ratio(micro_batches) -> float:
+            """The masked mean ratio of a whole minibatch over all processes, from a no-grad forward (ratio guard)."""
+            total = torch.zeros(2, device=device)
+            with torch.no_grad():
+                for mbi in micro_batches:
+                    logits = policy_logits(accelerator.unwrap_model(model).policy, query_responses[mbi],
+                                           pad_token_id, context_length, trunks(mbi)[0])
+                    new = logprobs_from_logits(scale_logits(logits, args.temperature, pad_token_id), response_ids[mbi])
+                    real = ~padding_mask[mbi]
+                    total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
+            total = accelerator.reduce(total, "sum")
+            return (total[0] / total[1]).item()
+
+        stop_early = False
         for ppo_epoch_idx in range(args.num_ppo_epochs):
+            if stop_early:
+                break
             b_inds = np.random.permutation(sizes.local_batch_size)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                for micro_idx, micro_start in enumerate(range(0, sizes.local_mini_batch_size,
-                                                              args.per_device_train_batch_size)):
+                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                # ratio guard: a minibatch gone off the rails is skipped whole, the same way on every process. Classic
+                # TRL zeroed its loss but still stepped Adam, whose momentum moved the weights anyway.
+                if args.ratio_threshold is not None and minibatch_ratio(micro_batches) > args.ratio_threshold:
+                    skipped_minibatches += 1
+                    continue
+                for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
-                                                              + args.per_device_train_batch_size], device=device)
-                        logits, vpred = model(
-                            query_responses[mbi], pad_token_id, context_length,
-                            (policy_trunks[mbi], num_frozen["policy"]) if policy_trunks is not None else None,
-                            (value_trunks[mbi], num_frozen["value"]) if value_trunks is not None else None)
+                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length, *trunks(mbi))
                         logits = scale_logits(logits, args.temperature, pad_token_id)
                         new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
@@ -1088,7 +1219,14 @@ def main(args: Args) -> None:
                                          ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
                                          ("ratio", ratio_mean)):
                                 stats[k][idx] = v.detach()
+                            trained[idx] = True
                     del logits, vpred, loss
+                # early stop on a KL target, checked after every minibatch on all processes together (classic TRL
+                # checked once per epoch, so a whole epoch could overshoot)
+                if args.target_kl is not None and accelerator.reduce(
+                        stats["approxkl"][ppo_epoch_idx, minibatch_idx].mean(), "mean") > args.target_kl:
+                    stop_early = True
+                    break
 
         time_training = time.perf_counter() - timer
 
@@ -1104,8 +1242,12 @@ def main(args: Args) -> None:
                 (sequence_lengths + 1).float().mean(),
             ])
             gathered = accelerator.gather(local.unsqueeze(0))
-            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
-            stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
+            # over the minibatches that ran: early stop and the ratio guard leave the others empty (in TRL, zeros
+            # from a mismatched stats layout diluted these averages)
+            ran = accelerator.gather(trained.unsqueeze(0))
+            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
+            stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
+                          for k, v in stats.items()}
             mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
             metrics = {
                 "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
@@ -1120,33 +1262,42 @@ def main(args: Args) -> None:
                 "loss/value_avg": stat_means["vf_loss"],
                 "val/clipfrac_avg": stat_means["vf_clipfrac"],
                 "policy/entropy_avg": stat_means["entropy"],
-                "val/ratio": ratio_all.mean().item(),
-                "val/ratio_var": ratio_all.var().item(),
+                "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
+                "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
                 "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
                 "val/response_length": mean_len,
                 "policy/optimizer_steps": optimizer_steps,
+                "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
+                "objective/kl_coef": kl_coef,  # the beta these rewards used
                 "time/generation": time_generation,  # seconds on rank 0: sampling
                 "time/scoring": time_scoring,  # reference, value and reward forwards
                 "time/training": time_training,  # PPO epochs
                 "lr": lr,
                 "episode": episode,
             }
+            if args.use_score_scaling or args.use_score_norm:
+                metrics["objective/score_running_mean"] = score_moments.mean
+                metrics["objective/score_running_std"] = score_moments.std
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        if args.kl_target is not None:  # after the PPO epochs, for the next update; from the rollout's gathered KL
+            kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, sizes.batch_size)
         if accelerator.is_main_process:
             metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
             metrics_file.flush()
-            if args.track:
-                wandb.log(metrics, step=update)
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, update)  # TensorBoard; wandb syncs it with --track
             progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
                 f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
                 ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
-        check_replicas_agree(accelerator, model, update)
+        check_replicas_agree(accelerator, model, update, [kl_coef, score_moments.mean, score_moments.var])
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
-                            args.save_total_limit)
+            save_checkpoint(accelerator, checkpoints, dict(
+                update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
+                **run_state), args.save_total_limit)
         progress.update(progress_task, advance=1)
-        del query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values, rewards, advantages, returns
+        del (query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values,
+             rewards, advantages, returns)
     progress.stop()
     if args.num_sample_generations > 0:
         sample_table("samples after training", sizes.num_updates + 1)
@@ -1163,6 +1314,7 @@ def main(args: Args) -> None:
                                 state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
                                             if k.startswith(name + ".")})
         metrics_file.close()
+        writer.close()
         if args.track:
             wandb.finish()
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")

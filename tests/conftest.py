@@ -99,6 +99,20 @@ TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradi
         "--num-trainable-layers", "None"]  # train every block of the 2-block test models
 
 
+REWARD_FN = "tests/rewards.py:target_word_fraction"  # the learnable toy reward of tests/rewards.py
+
+
+def tiny_args(assets, *extra, reward_fn=REWARD_FN):
+    """Flags for a short ppo.py run on the tiny assets (no sample tables unless `extra` asks)."""
+    return ["--sft-model-path", str(assets["sft"]), "--reward-fn", reward_fn, "--dataset-name", str(assets["prompts"]),
+            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", *extra]
+
+
+def without_wall_clock(rows):
+    """Metrics rows without the wall-clock entries (eps, time/*), which differ between identical runs."""
+    return [{k: v for k, v in r.items() if k != "eps" and not k.startswith("time/")} for r in rows]
+
+
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
     """Run `python ppo.py ...` in a subprocess; return (completed process, list of metrics rows)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}

@@ -11,18 +11,8 @@ import pytest
 import torch
 
 import ppo
-from conftest import ROOT, TINY, run_ppo
-
-REWARD_FN = "tests/rewards.py:target_word_fraction"
-
-
-def args_for(assets, *extra):
-    return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
-            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", *extra]
-
-
-def without_wall_clock(rows):
-    return [{k: v for k, v in r.items() if k != "eps" and not k.startswith("time/")} for r in rows]
+from conftest import REWARD_FN, ROOT, run_ppo, without_wall_clock
+from conftest import tiny_args as args_for
 
 
 def test_rollout_indices_shard_each_pass_over_the_data():
@@ -44,7 +34,8 @@ def test_rollout_indices_shard_each_pass_over_the_data():
 
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    args = args_for(assets, "--total-episodes", "64", "--save-every", "2")  # 4 updates, checkpoints at 2 and 4
+    args = args_for(assets, "--total-episodes", "64", "--save-every", "2",  # 4 updates, checkpoints at 2 and 4
+                    "--kl-target", "0.5", "--kl-horizon", "100", "--use-score-norm")  # controller state resumes too
     _, uninterrupted = run_ppo(args, full)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "update-000002", "update-000004"]
     shutil.copytree(full, resumed)  # the same folder, as a run killed after update 3 would have left it
