@@ -878,8 +878,6 @@ def main(args: Args) -> None:
 
     # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
     tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
-    if accelerator.is_main_process:  # saved as given: the [PAD] below is a training-time device only
-        tokenizer.save_pretrained(output_dir)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
         # the reward model reads the token before it, so the policy never learns to stop.
@@ -894,7 +892,7 @@ def main(args: Args) -> None:
     if args.missing_eos_penalty is not None and eos_check_id is None:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
-    # prompts: tokenised once, left-padded per batch by the collator
+    # prompts: tokenised once; each rollout batch is left-padded to its longest prompt
     dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
     if args.dataset_prompt_column not in dataset.column_names:
         raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
@@ -1309,6 +1307,8 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
+        # the tokenizer as given: the [PAD] added above is a training-time device, outside the model's vocabulary
+        AutoTokenizer.from_pretrained(sft_model_path, **remote).save_pretrained(output_dir)
         for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
             sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
                                 state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()

@@ -347,6 +347,7 @@ def test_bad_input_is_refused(assets, tmp_path, overrides, message):
     fields.update({k: {"RM": str(assets["rm"]), "SFT": str(assets["sft"])}.get(v, v) for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
+    assert not (tmp_path / "run").exists()  # a refused run writes nothing
 
 
 def test_accumulation_set_by_the_launcher_must_agree(assets, tmp_path, monkeypatch):
