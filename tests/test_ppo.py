@@ -3,7 +3,6 @@ import dataclasses
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
