@@ -2,6 +2,7 @@
 # Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
 # (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
 # in a comment with the word "TRL".
+import copy
 import importlib
 import importlib.util
 import json
@@ -146,6 +147,9 @@ class Args:
     """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
+    ds3_gather_for_generation: bool = True
+    """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
+    weights, slowly, when the whole policy does not fit on one device)"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,13 +505,15 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None):
+def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
+             synced=False):
     """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
 
     Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
     silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
     (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`.
+    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
+    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
     """
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
@@ -521,13 +527,57 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
         if stop_token_id is not None:
             finished |= token.squeeze(-1) == stop_token_id
-        if step == response_length - 1 or finished.all():
+        done = finished.all()
+        if synced:
+            done = done.float()
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        if step == response_length - 1 or done:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+@contextmanager
+def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather: bool):
+    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
+
+    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
+    token. With `gather` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
+    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
+    value weights on each device."""
+    policy = accelerator.unwrap_model(model).policy
+    if zero3 and gather:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield policy, False
+    else:
+        yield policy, zero3
+
+
+def gathered_for_init(params):
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
+    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def deepspeed_frozen_engine(model: nn.Module, ds_config: dict):
+    """A frozen model (reference, reward) as a DeepSpeed ZeRO-3 inference engine: its weights are sharded over the
+    processes like the trained models' (TRL's prepare_deepspeed). It has no optimizer; calls pass through to the model."""
+    import deepspeed
+
+    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None
+    return engine
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
@@ -781,9 +831,11 @@ def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int
                            f"moments): {gathered.tolist()}")
 
 
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict) -> None:
-    """The resolved batch arithmetic, and per model an estimate of its memory: weights, plus gradients and AdamW's two
-    moments for the trainable parameters (activations and the rollout come on top)."""
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
+                 zero_stage: int = 0) -> None:
+    """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
+    and AdamW's two fp32 moments for the trainable parameters (activations and the rollout come on top). DeepSpeed
+    ZeRO-2 shards gradients and optimizer state over the processes; ZeRO-3 the weights too."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
@@ -791,16 +843,17 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
                   f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    table = Table("model", "parameters", "trainable", "memory estimate")
+    table = Table("model", "parameters", "trainable", "memory estimate per process")
     for name, model in models.items():
         if model is None:
             continue
-        params = list(model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        trainable = [p for p in params if p.requires_grad]
-        training = sum(p.numel() * (p.element_size() + 8) for p in trainable)  # gradient + fp32 Adam moments
-        table.add_row(name, f"{sum(p.numel() for p in params) / 1e6:.1f}M",
-                      f"{sum(p.numel() for p in trainable) / 1e6:.1f}M", f"{(weights + training) / 2**30:.2f} GiB")
+        params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
+        weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
+        training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
+        training /= sizes.world_size if zero_stage >= 2 else 1
+        table.add_row(name, f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
+                      f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
+                      f"{(weights + training) / 2**30:.2f} GiB")
     console.print(table)
 
 
@@ -838,14 +891,13 @@ def main(args: Args) -> None:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
+    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
     if ds_plugin is not None:
-        if ds_plugin.zero_stage == 3:
-            # Generation stops when a process's own responses are done; under ZeRO-3 every process must join every
-            # forward, so processes would wait on each other forever. Not supported until generation is synchronised.
-            raise ValueError("DeepSpeed ZeRO-3 is not supported yet: use accelerate_configs/deepspeed_zero2.yaml")
         # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
         ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+    if zero3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
@@ -934,9 +986,9 @@ def main(args: Args) -> None:
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
         # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
         # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
-        nn.init.zeros_(value_model.score.weight)
-        if value_model.score.bias is not None:
-            nn.init.zeros_(value_model.score.bias)
+        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+            for p in value_model.score.parameters():
+                nn.init.zeros_(p)
     reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1, **remote)
                     if reward_model_path else None)
     for m in (policy, ref_policy, value_model, reward_model):
@@ -949,9 +1001,10 @@ def main(args: Args) -> None:
         for m in (policy, value_model):
             freeze_bottom_layers(m, args.num_trainable_layers)
     # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
-    # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards.
+    # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards, and
+    # so does ZeRO-3, whose sharded weights exist whole only inside DeepSpeed's own forward hooks.
     num_frozen = {}
-    if args.num_trainable_layers is not None:
+    if args.num_trainable_layers is not None and not zero3:
         probe = left_pad(train_dataset[:2]["input_ids"], pad_token_id)
         for name, m in (("policy", policy), ("value", value_model)):
             frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
@@ -966,7 +1019,10 @@ def main(args: Args) -> None:
 
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
-    if ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score with the same precision, so KL starts at 0
+    if zero3:  # the frozen models sharded too, in the trained models' precision
+        ref_policy, reward_model = (deepspeed_frozen_engine(m, accelerator.deepspeed_config) if m is not None else None
+                                    for m in (ref_policy, reward_model))
+    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             if m is not None:
@@ -1003,18 +1059,19 @@ def main(args: Args) -> None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
         print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model})
+                                                      "value model": value_model, "reward model": reward_model},
+                     ds_plugin.zero_stage if ds_plugin is not None else 0)
 
     def sample_table(title: str, update: int) -> None:
         """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
         Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
         if args.eval_samples == 0:
             return
-        unwrapped = accelerator.unwrap_model(model)
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
-            responses, _ = generate(unwrapped.policy, eval_queries, pad_token_id, args.response_length,
-                                    args.temperature, stop_token_id, generator)
+            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+                responses, _ = generate(policy, eval_queries, pad_token_id, args.response_length, args.temperature,
+                                        stop_token_id, generator, synced)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
             scores = score_responses(eval_queries, responses)
@@ -1065,9 +1122,11 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
             # ====================================================================================================
+            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+                generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length,
+                                      args.temperature, stop_token_id, synced=synced)
+                             for i in range(0, queries.size(0), chunk)]
             unwrapped = accelerator.unwrap_model(model)
-            generated = [generate(unwrapped.policy, queries[i:i + chunk], pad_token_id, args.response_length,
-                                  args.temperature, stop_token_id) for i in range(0, queries.size(0), chunk)]
             responses = pad_right([r for r, _ in generated], pad_token_id)
             logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
             del generated
