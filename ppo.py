@@ -569,15 +569,17 @@ def gathered_for_init(params):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def deepspeed_frozen_engine(model: nn.Module, ds_config: dict):
-    """A frozen model (reference, reward) as a DeepSpeed ZeRO-3 inference engine: its weights are sharded over the
-    processes like the trained models' (TRL's prepare_deepspeed). It has no optimizer; calls pass through to the model."""
+def shard_frozen(model: nn.Module, ds_config: dict) -> None:
+    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
+    engine (TRL's prepare_deepspeed). The model is called as before: DeepSpeed's hooks on its modules gather each one's
+    weights. The engine is kept on the model, since discarding it would remove the hooks; it is not handed out, because
+    its own attributes (`config` is DeepSpeed's) would shadow the model's."""
     import deepspeed
 
     config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
     engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()  # DeepSpeedEngine.eval returns None
-    return engine
+    engine.eval()
+    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
@@ -1020,8 +1022,9 @@ def main(args: Args) -> None:
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
     if zero3:  # the frozen models sharded too, in the trained models' precision
-        ref_policy, reward_model = (deepspeed_frozen_engine(m, accelerator.deepspeed_config) if m is not None else None
-                                    for m in (ref_policy, reward_model))
+        for m in (ref_policy, reward_model):
+            if m is not None:
+                shard_frozen(m, accelerator.deepspeed_config)
     elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):

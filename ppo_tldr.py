@@ -4,12 +4,14 @@
 # checkpoints are the same), written to stand alone: nothing is imported from it. "N+ detail k" refers to the numbered
 # list in the README's TL;DR section (reconstructed from the SFD code); where TRL's PPOTrainer had a bug, the fix is
 # named in a comment with the word "TRL".
+import copy
 import json
 import math
 import os
 import random
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
@@ -136,6 +138,9 @@ class Args:
     """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
+    ds3_gather_for_generation: bool = True
+    """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
+    weights, slowly, when the whole policy does not fit on one device)"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -407,13 +412,15 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None):
+def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
+             synced=False):
     """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
 
     Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
     silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
     (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`.
+    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
+    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
     """
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
@@ -427,13 +434,59 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
         if stop_token_id is not None:
             finished |= token.squeeze(-1) == stop_token_id
-        if step == response_length - 1 or finished.all():
+        done = finished.all()
+        if synced:
+            done = done.float()
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        if step == response_length - 1 or done:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+@contextmanager
+def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather: bool):
+    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
+
+    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
+    token. With `gather` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
+    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
+    value weights on each device."""
+    policy = accelerator.unwrap_model(model).policy
+    if zero3 and gather:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield policy, False
+    else:
+        yield policy, zero3
+
+
+def gathered_for_init(params):
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
+    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def shard_frozen(model: nn.Module, ds_config: dict) -> None:
+    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
+    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
+    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
+    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
+    import deepspeed
+
+    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
@@ -628,9 +681,11 @@ def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int
         raise RuntimeError(f"update {update}: the processes' weights differ (checksums {gathered.tolist()})")
 
 
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict) -> None:
-    """The resolved batch arithmetic, and per model an estimate of its memory: weights, plus gradients and AdamW's two
-    moments for the trainable parameters (activations and the rollout come on top)."""
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
+                 zero_stage: int = 0) -> None:
+    """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
+    and AdamW's two fp32 moments for the trainable parameters (activations and the rollout come on top). DeepSpeed
+    ZeRO-2 shards gradients and optimizer state over the processes; ZeRO-3 the weights too."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
@@ -638,16 +693,16 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
                   f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    table = Table("model", "parameters", "trainable", "memory estimate", "score bias")
+    table = Table("model", "parameters", "trainable", "memory estimate per process", "score bias")
     for name, model in models.items():
-        params = list(model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        trainable = [p for p in params if p.requires_grad]
-        training = sum(p.numel() * (p.element_size() + 8) for p in trainable)  # gradient + fp32 Adam moments
+        params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
+        weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
+        training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
+        training /= sizes.world_size if zero_stage >= 2 else 1
         bias = f"{score_bias(model.config):.4g}" if name in ("value model", "reward model") else ""
-        table.add_row(name, f"{sum(p.numel() for p in params) / 1e6:.1f}M",
-                      f"{sum(p.numel() for p in trainable) / 1e6:.1f}M", f"{(weights + training) / 2**30:.2f} GiB",
-                      bias)
+        table.add_row(name, f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
+                      f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
+                      f"{(weights + training) / 2**30:.2f} GiB", bias)
     console.print(table)
 
 
@@ -692,11 +747,9 @@ def main(args: Args) -> None:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    if ds_plugin is not None and ds_plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
-        # ZeRO-3 gathers each layer's weights with a collective in every forward, and here every process samples (and
-        # stops once its responses have their eos) on its own: processes would wait on each other forever.
-        raise ValueError("DeepSpeed ZeRO-3 is not supported (generation runs per process); use ZeRO-2 as the paper "
-                         "does: accelerate_configs/deepspeed_zero2.yaml")
+    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+    if zero3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if ds_plugin is not None:
         # DeepSpeed clips inside its own step, from its config, and accelerate fills an "auto" there with 1.0: write
         # --max-grad-norm into it (0 = off), or the flag would be ignored. With no DataLoader to read it from, DeepSpeed
@@ -787,16 +840,16 @@ def main(args: Args) -> None:
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
         # A fresh head on a language-model trunk (--value-model-path given a causal LM): start at V = 0 instead of a
         # random head on hidden states whose norm can be large (LMHP initialises its value head at 0).
-        nn.init.zeros_(value_model.score.weight)
-        if value_model.score.bias is not None:
-            nn.init.zeros_(value_model.score.bias)
+        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+            for p in value_model.score.parameters():
+                nn.init.zeros_(p)
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **remote)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(device)
-        if ds_plugin is not None and half is not None:
+        if ds_plugin is not None and half is not None and not zero3:
             # DeepSpeed casts the policy's weights to half precision (and autocast is off): give the reference and
             # the reward model the same dtype, as TRL's prepare_deepspeed and SFD's inference engines do, so that the
             # KL starts at 0 instead of at the fp32-vs-bf16 rounding difference.
@@ -806,6 +859,9 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if zero3:  # the frozen models sharded too, in the trained models' precision
+        for m in (ref_policy, reward_model):
+            shard_frozen(m, accelerator.deepspeed_config)
     # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -836,7 +892,8 @@ def main(args: Args) -> None:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
                        save_code=True)
         print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model})
+                                                      "value model": value_model, "reward model": reward_model},
+                     ds_plugin.zero_stage if ds_plugin is not None else 0)
 
     chunk = args.local_rollout_forward_batch_size
 
@@ -847,26 +904,30 @@ def main(args: Args) -> None:
                           for i in range(0, queries.size(0), chunk)])
 
     # validation posts: each process takes every world_size-th one; the reference summaries are scored once, the
-    # same way as responses (the reward model reads the eos that ends them)
-    eval_local = list(range(accelerator.process_index, len(eval_dataset), accelerator.num_processes))
+    # same way as responses (the reward model reads the eos that ends them). Every process gets as many posts (the
+    # last ones wrap around to the first and are dropped again after the gather): under ZeRO-3 each forward needs
+    # every process.
+    per_process = math.ceil(len(eval_dataset) / accelerator.num_processes)
+    eval_local = [i % len(eval_dataset) for i in
+                  range(accelerator.process_index, per_process * accelerator.num_processes, accelerator.num_processes)]
     eval_rows = eval_dataset.select(eval_local)
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device)
     with torch.no_grad(), accelerator.autocast():
         reference_scores = score_responses(eval_queries, right_pad(eval_rows["reference_ids"], pad_token_id).to(device))
-    all_reference_scores = gather_object(reference_scores.tolist())
-    reference_score = sum(all_reference_scores) / len(all_reference_scores)
+    all_reference_scores = dict(gather_object(list(zip(eval_local, reference_scores.tolist()))))
+    reference_score = sum(all_reference_scores.values()) / len(all_reference_scores)
     references = [tokenizer.decode(ids) for ids in eval_rows["reference_ids"]]
 
     def evaluate(update: int) -> dict:
         """Near-greedy (T = 0.01) summaries of the held-out posts (N+ detail 30), scored by the reward model without
         the missing-eos rule, as SFD's objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Every
         rank runs it on its share of the posts. Its own generator keeps it from shifting the training RNG."""
-        unwrapped = accelerator.unwrap_model(model)
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
-            responses = pad_right([generate(unwrapped.policy, eval_queries[i:i + chunk], pad_token_id,
-                                            args.response_length, EVAL_TEMPERATURE, stop_token_id, generator)[0]
-                                   for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
+            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+                responses = pad_right([generate(policy, eval_queries[i:i + chunk], pad_token_id, args.response_length,
+                                                EVAL_TEMPERATURE, stop_token_id, generator, synced)[0]
+                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
             scores = score_responses(eval_queries, responses)
@@ -875,7 +936,10 @@ def main(args: Args) -> None:
                                        "score": score})
                               for index, query, reference, r, score in zip(eval_local, eval_rows["query"], references,
                                                                            responses, scores.tolist())])
-        rows = [row for _, row in sorted(rows, key=lambda item: item[0])]
+        unique = {}
+        for index, row in rows:  # one row per post: the first process's, where the last posts wrapped around
+            unique.setdefault(index, row)
+        rows = [row for _, row in sorted(unique.items())]
         if accelerator.is_main_process:
             (output_dir / "eval").mkdir(exist_ok=True)
             write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
@@ -910,9 +974,11 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
             # ====================================================================================================
+            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+                generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length,
+                                      args.temperature, stop_token_id, synced=synced)
+                             for i in range(0, queries.size(0), chunk)]
             unwrapped = accelerator.unwrap_model(model)
-            generated = [generate(unwrapped.policy, queries[i:i + chunk], pad_token_id, args.response_length,
-                                  args.temperature, stop_token_id) for i in range(0, queries.size(0), chunk)]
             responses = pad_right([r for r, _ in generated], pad_token_id)
             logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
             del generated

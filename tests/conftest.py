@@ -4,6 +4,7 @@ Everything is offline: models and tokenizers are written with save_pretrained in
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,17 @@ def without_wall_clock(rows):
     return [{k: v for k, v in r.items() if k != "eps" and not k.startswith("time/")} for r in rows]
 
 
+def assert_same_run(rows, reference, rel=1e-5):
+    """The same metrics, update by update, up to float rounding (DeepSpeed reduces gradients in its own order)."""
+    import pytest
+
+    assert len(rows) == len(reference)
+    for row, ref in zip(without_wall_clock(rows), without_wall_clock(reference)):
+        assert row.keys() == ref.keys()
+        for k in ref:
+            assert row[k] == pytest.approx(ref[k], rel=rel, abs=1e-6), (k, row[k], ref[k])
+
+
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
     """Run `python ppo.py ...` in a subprocess; return (completed process, list of metrics rows)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -122,4 +134,29 @@ def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bo
         raise AssertionError(f"ppo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     metrics_path = output_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    return proc, rows
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_flags=(), num_processes=2):
+    """`accelerate launch --config_file accelerate_configs/<config> <script>` on CPU processes; returns (completed
+    process, metrics rows). multi_cpu.yaml runs as its comment says; a DeepSpeed config runs through
+    tests/deepspeed_on_cpu.py, in fp32 unless `launch_flags` say otherwise."""
+    deepspeed = config.startswith("deepspeed")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "accelerate_configs" / config), "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+           *(launch_flags or (["--mixed_precision", "no"] if deepspeed else [])),
+           *([str(ROOT / "tests" / "deepspeed_on_cpu.py")] if deepspeed else []),
+           str(ROOT / script), *args, "--output-dir", str(output_dir)]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    if not deepspeed:
+        env["ACCELERATE_USE_CPU"] = "true"
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return proc, rows

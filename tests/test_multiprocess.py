@@ -1,42 +1,13 @@
 """Two processes on CPU (gloo) through `accelerate launch`: data parallelism, batch arithmetic, exact resume, and
 DeepSpeed ZeRO-2/3 with the shipped configs."""
-import json
 import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REWARD_FN, ROOT, TINY, without_wall_clock
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args, output_dir, num_processes=2, config="multi_cpu.yaml", *launch_flags):
-    """`accelerate launch --config_file accelerate_configs/<config>`. multi_cpu.yaml runs as its comment says; a
-    DeepSpeed config runs on CPU through tests/deepspeed_on_cpu.py, in fp32 unless `launch_flags` say otherwise."""
-    deepspeed = config.startswith("deepspeed")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
-           *(launch_flags or (["--mixed_precision", "no"] if deepspeed else [])),
-           *([str(ROOT / "tests" / "deepspeed_on_cpu.py")] if deepspeed else []),
-           str(ROOT / "ppo.py"), *args, "--output-dir", str(output_dir)]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    if not deepspeed:
-        env["ACCELERATE_USE_CPU"] = "true"
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return proc, rows
+from conftest import REWARD_FN, TINY, assert_same_run, launch, without_wall_clock
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +49,6 @@ def test_two_process_resume_is_exact(two_process_run, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, 2 CPU processes): the same run as plain data parallelism
 # ---------------------------------------------------------------------------------------------------------------
-def assert_same_run(rows, reference, rel=1e-5):
-    """The same metrics, update by update, up to float rounding (DeepSpeed reduces gradients in its own order)."""
-    assert len(rows) == len(reference)
-    for row, ref in zip(without_wall_clock(rows), without_wall_clock(reference)):
-        assert row.keys() == ref.keys()
-        for k in ref:
-            assert row[k] == pytest.approx(ref[k], rel=rel, abs=1e-6), (k, row[k], ref[k])
-
-
 def policy_weights(run_dir):
     model = AutoModelForCausalLM.from_pretrained(run_dir)
     return {k: v.float() for k, v in model.state_dict().items()}
@@ -94,22 +56,25 @@ def policy_weights(run_dir):
 
 @pytest.fixture(scope="module")
 def ddp_reference(assets, tmp_path_factory):
-    """A reward model (it initialises the value model, and ZeRO-3 shards it as a frozen engine), one frozen bottom
-    block, a checkpoint after each update, and a sample table, under plain data parallelism."""
+    """A reward model (ZeRO-3 shards it as a frozen engine), a value model from the SFT policy with a fresh head (under
+    ZeRO-3 its sharded head is zeroed in place), one frozen bottom block (whose cache policy and value share, except
+    under ZeRO-3), a checkpoint after each update, and a sample table, under plain data parallelism."""
     out = tmp_path_factory.mktemp("ddp_rm") / "run"
-    args = ["--sft-model-path", str(assets["sft"]), "--reward-model-path", str(assets["rm"]), "--dataset-name",
+    args = ["--sft-model-path", str(assets["sft"]), "--reward-model-path", str(assets["rm"]), "--value-model-path",
+            str(assets["sft"]), "--dataset-name",
             str(assets["prompts"]), "--dataset-train-split", "train", *TINY, "--total-episodes", "64",
             "--num-trainable-layers", "1", "--save-every", "1"]
     return args, out, launch(args, out)[1]
 
 
-@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
-def test_deepspeed_reproduces_data_parallel_run(ddp_reference, tmp_path, config):
+@pytest.mark.parametrize("config, flags", [("deepspeed_zero2.yaml", []),
+                                           ("deepspeed_zero3.yaml", ["--ds3-gather-for-generation"])])
+def test_deepspeed_reproduces_data_parallel_run(ddp_reference, tmp_path, config, flags):
     """ZeRO-2 shards gradients and optimizer state; ZeRO-3 the weights too (policy and value trained, reference and
     reward model as inference engines), and the policy is gathered for generation. The updates, metrics and saved
     (consolidated) weights are those of the unsharded run."""
     args, ddp_out, reference = ddp_reference
-    proc, rows = launch(args, tmp_path / "run", 2, config)
+    proc, rows = launch([*args, *flags], tmp_path / "run", config=config)
     assert_same_run(rows, reference)
     assert "pytorch_model" in {p.name for p in (tmp_path / "run" / "checkpoints" / "update-000001").iterdir()}
     ours, theirs = policy_weights(tmp_path / "run"), policy_weights(ddp_out)
@@ -122,10 +87,10 @@ def test_zero3_resume_with_sharded_generation(ddp_reference, tmp_path):
     until every process's responses are done): update 2 is the unsharded run's update 2."""
     args, _, reference = ddp_reference
     first = tmp_path / "first"
-    launch(args, first, 2, "deepspeed_zero3.yaml")
+    launch(args, first, config="deepspeed_zero3.yaml")
     shutil.rmtree(first / "checkpoints" / "update-000002")
-    _, rows = launch([*args, "--resume", str(first / "checkpoints" / "update-000001"), "--no-ds3-gather-for-generation"],
-                     first, 2, "deepspeed_zero3.yaml")
+    resume = ["--resume", str(first / "checkpoints" / "update-000001"), "--no-ds3-gather-for-generation"]
+    _, rows = launch([*args, *resume], first, config="deepspeed_zero3.yaml")
     assert_same_run(rows, reference)
 
 
@@ -133,6 +98,6 @@ def test_zero2_bf16_scores_reference_in_policy_precision(ddp_reference, tmp_path
     """DeepSpeed keeps the trained models in bf16; the reference and reward model are cast to match, so the KL of the
     first rollout (no step taken yet) is 0 up to bf16 rounding, as in fp32."""
     args, _, _ = ddp_reference
-    _, rows = launch(args, tmp_path / "run", 2, "deepspeed_zero2.yaml", "--mixed_precision", "bf16")
+    _, rows = launch(args, tmp_path / "run", config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
     assert abs(rows[0]["objective/kl"]) < 1e-3
     assert all(math.isfinite(r["loss/policy_avg"]) for r in rows)

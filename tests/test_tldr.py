@@ -14,7 +14,7 @@ import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo_tldr
-from conftest import ROOT, WORDS, build_models, make_tokenizer, run_ppo, without_wall_clock
+from conftest import ROOT, WORDS, assert_same_run, build_models, launch, make_tokenizer, run_ppo, without_wall_clock
 
 TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -416,22 +416,19 @@ def test_llama_config_dataset_value_from_sft_subtract_rule_no_stop(tmp_path, tld
     assert value.config.num_labels == 1 and ppo_tldr.score_bias(value.config) == 0.0
 
 
-def test_two_processes_share_the_validation_posts(tldr_run, tldr, tmp_path):
-    """2 CPU processes (torchrun, gloo): each validates its share of the 5 held-out posts (3 and 2); the gathered
-    table keeps the file's order, and the references score as in the one-process run. (torchrun with
-    ACCELERATE_USE_CPU: on this CPU-only machine `accelerate launch` with a MULTI_CPU config started one process.)"""
-    import os
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def two_process_run(tldr, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tldr_ddp") / "run"
+    args = tiny_args(tldr, "--total-episodes", "32")
+    return args, out, *launch(args, out, script="ppo_tldr.py")
 
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "ppo_tldr.py"), *tiny_args(tldr, "--total-episodes", "32"), "--output-dir", str(out)]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+def test_two_processes_share_the_validation_posts(tldr_run, two_process_run):
+    """2 CPU processes (gloo): each validates its share of the 5 held-out posts (3 each, the last wrapping around to
+    the first post); the gathered table keeps the file's order, one row per post, and the references score as in the
+    one-process run."""
+    _, out, proc, rows = two_process_run
     assert "processes 2; per update 32 responses (16 per process)" in proc.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and all(math.isfinite(rows[0][k]) for k in TRL_METRICS + EVAL_METRICS)
     table = [json.loads(line) for line in (out / "eval" / "update-000001.jsonl").read_text().splitlines()]
     one_process = [json.loads(line) for line in (tldr_run[0] / "eval" / "update-000002.jsonl").read_text().splitlines()]
@@ -439,6 +436,21 @@ def test_two_processes_share_the_validation_posts(tldr_run, tldr, tmp_path):
     assert [r["reference"] for r in table] == [r["reference"] for r in one_process]
     assert rows[0]["objective/reference_score"] == pytest.approx(tldr_run[2][1]["objective/reference_score"], abs=1e-6)
     assert rows[0]["objective/validation_score"] == pytest.approx(sum(r["score"] for r in table) / 5, rel=1e-6)
+
+
+def test_zero3_reproduces_the_two_process_run(two_process_run, tmp_path):
+    """DeepSpeed ZeRO-3 (the shipped config, fp32, on 2 CPU processes): policy and value sharded, reference and
+    reward model as sharded inference engines, the policy gathered for generation. Metrics, validation table and
+    saved weights are those of the plain data-parallel run."""
+    args, out, _, reference = two_process_run
+    _, rows = launch([*args, "--ds3-gather-for-generation"], tmp_path / "run", script="ppo_tldr.py",
+                     config="deepspeed_zero3.yaml")
+    assert_same_run(rows, reference)
+    table, expected = ([json.loads(line) for line in (run / "eval" / "update-000001.jsonl").read_text().splitlines()]
+                       for run in (tmp_path / "run", out))
+    assert [r["response"] for r in table] == [r["response"] for r in expected]
+    ours, theirs = (AutoModelForCausalLM.from_pretrained(run).state_dict() for run in (tmp_path / "run", out))
+    assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-5) for k in theirs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
