@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REWARD_FN, TINY, assert_same_run, launch, without_wall_clock
+from conftest import REWARD_FN, ROOT, TINY, assert_same_run, launch, tiny_args, without_wall_clock
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,15 @@ def test_zero2_bf16_scores_reference_in_policy_precision(ddp_reference, tmp_path
     _, rows = launch(args, tmp_path / "run", config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
     assert abs(rows[0]["objective/kl"]) < 1e-3
     assert all(math.isfinite(r["loss/policy_avg"]) for r in rows)
+
+
+def test_deepspeed_config_whose_accumulation_disagrees_is_refused(assets, tmp_path):
+    """accelerate would quietly take a DeepSpeed config's gradient_accumulation_steps over the flag's, and the optimizer
+    would no longer step once per minibatch: refused before any model loads."""
+    config = tmp_path / "deepspeed_ga4.yaml"
+    config.write_text((ROOT / "accelerate_configs" / "deepspeed_zero2.yaml").read_text().replace(
+        "  zero_stage: 2", "  zero_stage: 2\n  gradient_accumulation_steps: 4"))
+    proc, _ = launch(tiny_args(assets), tmp_path / "run", config=config, num_processes=1, check=False)
+    assert proc.returncode != 0
+    assert "the launcher or DeepSpeed config says 4, --gradient-accumulation-steps says 2" in proc.stderr
+    assert not (tmp_path / "run").exists()
