@@ -823,6 +823,21 @@ def reward_max_length(path: str, rm_tokenizer, trust_remote_code: bool = False) 
     return min((n for n in limits if n), default=None)
 
 
+def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
+                     sft_model_path: str) -> tuple[str, str]:
+    """The value model's starting point and why (the banner prints it). The value reads the policy's token positions,
+    so it starts from a reward model (N+ detail 18) only when that one shares the policy's tokenizer (its entry in
+    `reward_tokenizers` is None); otherwise from the SFT policy, with a fresh scalar head."""
+    if value_model_path is not None:
+        return value_model_path, f"value model: {value_model_path} (--value-model-path)"
+    same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
+    if same:
+        return same[0], f"value model: the reward model {same[0]} (it shares the policy's tokenizer)"
+    return sft_model_path, "value model: the SFT policy with a fresh (zero) scalar head (" + (
+        "the reward models use their own tokenizers, whose positions are not the policy's)" if reward_model_paths
+        else "the reward comes from functions only)")
+
+
 def reward_names(model_paths, fn_specs) -> list[str]:
     """Names of the reward components: a reward model's folder (or hub name), a function's name; repeats get _2, _3."""
     names, seen = [], {}
@@ -1073,20 +1088,8 @@ def main(args: Args) -> None:
     for rm_tokenizer in filter(None, reward_tokenizers):
         reward_model_texts(tokenizer, rm_tokenizer, probe_rows[args.dataset_prompt_column], probe_queries,
                            probe_queries, chat)
-    # The value model reads the policy's token positions: it starts from a reward model only when that one shares the
-    # policy's tokenizer; otherwise from the SFT policy, with a fresh head.
-    token_reward_models = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
-    if value_model_path is not None:
-        value_init = f"value model: {args.value_model_path} (--value-model-path)"
-    elif token_reward_models:
-        value_model_path = token_reward_models[0]
-        value_init = (f"value model: the reward model {token_reward_models[0]} (it shares the policy's tokenizer, "
-                      "N+ detail 18)")
-    else:
-        value_model_path = sft_model_path
-        value_init = "value model: the SFT policy with a fresh (zero) scalar head (" + (
-            "the reward models use their own tokenizers, whose positions are not the policy's)" if reward_model_paths
-            else "the reward comes from functions only)")
+    value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
+                                                    sft_model_path)
     check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
     # ============================================================================================================
