@@ -502,11 +502,13 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
 def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
                        device) -> torch.Tensor:
     """A reward model with its own tokenizer, on rendered texts: tokenised within its `max_length` positions, with the
-    tokenizer set to cut from the left (the response end, where the score is read, survives) and pad on the right; the
-    score is read at each row's last real token, found from the attention mask (never from the pad id, which may be
-    its eos)."""
+    tokenizer set to cut from the left (the response end, where the score is read, survives) and pad on the right; a
+    decoder's score is read at each row's last real token, found from the attention mask (never from the pad id,
+    which may be its eos)."""
     batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
                          max_length=max_length, return_tensors="pt").to(device)
+    if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
+        return reward_model(**batch).logits[:, 0].float()
     hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      use_cache=False).last_hidden_state
     last = batch["attention_mask"].sum(1) - 1
@@ -755,6 +757,8 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
                          "model: give a text prompt column, or a tokenizer with a chat template)")
     prompts = [as_messages(p) for p in prompts]
     for messages in prompts:
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} messages: {messages!r:.200}")
         roles = {m.get("role") for m in messages}
         if not roles <= {"system", "user", "assistant", "tool"}:
             raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "

@@ -101,6 +101,8 @@ def test_chat_prompts_are_rendered_with_the_template():
         ppo.is_chat(messages, "false")
     with pytest.raises(ValueError, match="unknown role"):
         ppo.encode_prompts(tok, [[{"role": "narrator", "content": "w3"}]])
+    with pytest.raises(ValueError, match="not of {'role', 'content'} messages"):
+        ppo.encode_prompts(tok, [["w3", "w4"]])
     with pytest.raises(ValueError, match="no chat template"):
         ppo.encode_prompts(make_tokenizer(pad=False), [messages])
 
@@ -175,6 +177,21 @@ def test_reward_model_texts_and_scores_match_plain_calls(chat):
     plain = ppo.reward_model_texts(tok, rm_tok, ["w3 w4"], ppo.left_pad([[4, 5]], pad), torch.tensor([[8, pad]]),
                                    chat=False)
     assert plain == ["w3 w4 w7"]
+
+
+def test_encoder_reward_model_pools_by_itself():
+    """An encoder reward model (BERT, DeBERTa: OpenAssistant's reward models) reads its first token, as it does alone."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = BertForSequenceClassification(BertConfig(vocab_size=35, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
+    rm_tok = ppo.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=False)
+    texts = ["w3 w4 w5 w7", "w9", "w1 w2"]
+    with torch.no_grad():
+        scores = ppo.text_reward_scores(rm, rm_tok, texts, 64, True, "cpu")
+    torch.testing.assert_close(scores, torch.tensor([plain_score(rm, rm_tok, t, True) for t in texts]), atol=1e-5,
+                               rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
