@@ -1097,7 +1097,7 @@ def main(args: Args) -> None:
     check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
     # ============================================================================================================
-    # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
+    # 1. Models: policy, frozen reference, value (see `value_model_init`), reward models
     # ============================================================================================================
     policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
     ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
