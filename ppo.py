@@ -1171,13 +1171,12 @@ def main(args: Args) -> None:
         writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder (CleanRL, N+ convention)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
-        reward_lines = [f"reward {name} (weight {w:g}): " + (
-            f"function {spec}" if i >= len(reward_model_paths) else
-            f"reward model {reward_model_paths[i]}, the policy's tokenizer (its token ids, no decode)"
-            if reward_tokenizers[i] is None else
-            f"reward model {reward_model_paths[i]}, its own tokenizer (decoded text, "
-            f"{'its chat template' if chat else 'prompt + response'}, the last {reward_max_lengths[i]} tokens)")
-            for i, (name, w, spec) in enumerate(zip(names, weights, [None] * len(reward_model_paths) + fn_specs))]
+        rendering = "its chat template" if chat else "prompt + response"
+        how = [f"reward model {p}, " + ("the policy's tokenizer (its token ids, no decode)" if t is None else
+                                        f"its own tokenizer (decoded text, {rendering}, the last {n} tokens)")
+               for p, t, n in zip(reward_model_paths, reward_tokenizers, reward_max_lengths)]
+        reward_lines = [f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
+            names, weights, how + [f"function {spec}" for spec in fn_specs])]
         print_banner(console, run_name, args, sizes, {
             "policy": policy, "reference": ref_policy, "value model": value_model,
             **{f"reward model {n}": m for n, m in zip(names, reward_models)}},
