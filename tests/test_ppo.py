@@ -329,7 +329,6 @@ def test_reward_fn_loading_and_checks():
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (dict(dataset_prompt_column="question"), "is not in"),
-    (dict(reward_model_path="RM"), "not both"),
     (dict(reward_fn=None, reward_model_path="SFT"), "not a sequence classifier"),
     (dict(num_mini_batches=0), "--num-mini-batches must be >= 1"),
     (dict(per_device_train_batch_size=64), "too few"),
@@ -408,7 +407,7 @@ def test_default_run_shortened(tmp_path):
     proc, rows = run_ppo(["--total-episodes", "4", "--per-device-train-batch-size", "2", "--response-length", "6",
                           "--eval-samples", "2", "--num-ppo-epochs", "1"], tmp_path / "run", timeout=600)
     args = json.loads((tmp_path / "run" / "args.json").read_text())
-    assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] is None  # the defaults were used
+    assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] == []  # the defaults were used
     assert len(rows) == 1 and -1 <= rows[0]["objective/scores"] <= 1
     assert (ROOT / ppo.DEFAULT_PROMPTS).exists() and (ROOT / "cache" / "SmolLM2-135M-Instruct.Q4_1").is_dir()
     assert "samples after training" in proc.stdout

@@ -1,0 +1,299 @@
+"""Any prompt, any reward (issue #11): chat-format prompts, reward models with their own tokenizer, several rewards
+combined with weights, and the value initialisation that follows from them. Tiny offline models (see conftest.py)."""
+import json
+import random
+import re
+
+import pytest
+import torch
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM,
+                          GPTNeoXForSequenceClassification)
+
+import ppo
+from conftest import REWARD_FN, TINY, WORDS, make_tokenizer, run_ppo
+
+# The policy's chat format (ChatML, as SmolLM2 and Qwen): <|im_end|> ends a turn and is not the eos token.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The foreign reward model's own format, on its own vocabulary.
+RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}[end]"
+
+
+def word_tokenizer(vocab: dict, eos: str | None, specials: list[str], template: str | None, pad: str | None = None):
+    """A whitespace word-level tokenizer over `vocab`, with `specials` as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, unk_token="<unk>", pad_token=pad,
+                                  additional_special_tokens=specials)
+    tok.chat_template = template
+    return tok
+
+
+def chat_tokenizer():
+    """The conftest vocabulary ('<eos>' = 0, w0..w28 = 1..29, '<unk>' = 30) plus the ChatML tokens and role words."""
+    vocab = {"<eos>": 0, **{w: i + 1 for i, w in enumerate(WORDS)}, "<unk>": 30, "<|im_start|>": 31,
+             "<|im_end|>": 32, "user": 33, "assistant": 34, "system": 35}
+    return word_tokenizer(vocab, "<eos>", ["<|im_start|>", "<|im_end|>"], CHAT_TEMPLATE)
+
+
+def foreign_tokenizer(eos: str | None = "[end]", template: str | None = RM_TEMPLATE):
+    """Another vocabulary: the same words at other ids (reversed, shifted), no pad token, '[end]' closes a text."""
+    vocab = {"<s>": 0, "[end]": 1, "[user]": 2, "[assistant]": 3, "[system]": 4,
+             **{w: 5 + i for i, w in enumerate(reversed(WORDS))}, "<unk>": 34}
+    return word_tokenizer(vocab, eos, ["[end]"], template)
+
+
+def tiny_config(vocab_size: int, max_positions: int = 128) -> GPTNeoXConfig:
+    return GPTNeoXConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=max_positions, eos_token_id=0)
+
+
+def chat_messages(rng: random.Random) -> list[dict]:
+    """A system turn (its <|im_end|> lies inside every templated prompt) and a user turn of random words."""
+    return [{"role": "system", "content": "w1 w2"},
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))}]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A chat policy, a reward model on the policy's tokenizer, one on a foreign vocabulary, and chat prompts."""
+    root = tmp_path_factory.mktemp("chat")
+    torch.manual_seed(0)
+    tok = chat_tokenizer()
+    policy = GPTNeoXForCausalLM(tiny_config(36))
+    with torch.no_grad():  # a policy that often ends its turn: <|im_end|> gets a logit of about 1.5 everywhere
+        direction = torch.randn(32)
+        policy.gpt_neox.final_layer_norm.bias.copy_(4 * direction / direction.norm())
+        policy.get_output_embeddings().weight[32] = 0.4 * direction / direction.norm()
+    paths = {"sft": root / "chat_sft", "rm_same": root / "rm_same", "rm_other": root / "rm_other"}
+    policy.save_pretrained(paths["sft"])
+    tok.save_pretrained(paths["sft"])
+    config = tiny_config(36)
+    config.num_labels = 1
+    GPTNeoXForSequenceClassification(config).save_pretrained(paths["rm_same"])
+    tok.save_pretrained(paths["rm_same"])
+    config = tiny_config(35, max_positions=64)
+    config.num_labels, config.pad_token_id, config.eos_token_id = 1, None, 1
+    GPTNeoXForSequenceClassification(config).save_pretrained(paths["rm_other"])
+    foreign_tokenizer().save_pretrained(paths["rm_other"])
+    rng = random.Random(0)
+    paths["prompts"] = root / "chat_prompts.jsonl"
+    paths["prompts"].write_text("".join(json.dumps({"prompt": chat_messages(rng)}) + "\n" for _ in range(40)))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts: chat template, --apply-chat-template, the end-of-turn stop token
+# ---------------------------------------------------------------------------------------------------------------
+def test_chat_prompts_are_rendered_with_the_template():
+    tok = chat_tokenizer()
+    messages = [{"role": "user", "content": "w3 w4"}]
+    expected = [31, 33, 4, 5, 32, 31, 34]  # <|im_start|> user w3 w4 <|im_end|> <|im_start|> assistant
+    assert ppo.encode_prompts(tok, [messages]) == [expected]  # auto: message lists use the template
+    assert ppo.encode_prompts(tok, ["w3 w4"]) == [[4, 5]]  # auto: text as it is
+    assert ppo.encode_prompts(tok, ["w3 w4"], chat=True) == [expected]  # true: text becomes one user turn
+    assert ppo.is_chat([messages[0]], "auto") and ppo.is_chat("w3", "true") and not ppo.is_chat("w3", "auto")
+    with pytest.raises(ValueError, match="--apply-chat-template false"):
+        ppo.is_chat(messages, "false")
+    with pytest.raises(ValueError, match="unknown role"):
+        ppo.encode_prompts(tok, [[{"role": "narrator", "content": "w3"}]])
+    with pytest.raises(ValueError, match="not of {'role', 'content'} messages"):
+        ppo.encode_prompts(tok, [["w3", "w4"]])
+    with pytest.raises(ValueError, match="no chat template"):
+        ppo.encode_prompts(make_tokenizer(pad=False), [messages])
+
+
+def test_end_of_turn_token_is_derived_from_the_template():
+    assert ppo.end_of_turn_token_id(chat_tokenizer()) == 32  # <|im_end|>, not the eos (0)
+    assert ppo.end_of_turn_token_id(foreign_tokenizer()) == 1  # [end]
+    plain = make_tokenizer(pad=False)
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }} <eos> {% endfor %}"
+    assert ppo.end_of_turn_token_id(plain) == 0  # the template ends turns with eos itself
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }} w5 {% endfor %}"
+    assert ppo.end_of_turn_token_id(plain) == 0  # an ordinary word is no end-of-turn token: fall back to eos
+
+
+def test_same_tokenizer_compares_vocabularies_and_templates():
+    tok = chat_tokenizer()
+    assert ppo.same_tokenizer(tok, chat_tokenizer(), chat=True)
+    assert not ppo.same_tokenizer(tok, foreign_tokenizer(), chat=False)
+    other_template = chat_tokenizer()
+    other_template.chat_template = RM_TEMPLATE
+    assert not ppo.same_tokenizer(tok, other_template, chat=True)
+    assert ppo.same_tokenizer(tok, other_template, chat=False)  # text prompts never meet the template
+
+
+def test_reward_names_are_unique():
+    assert ppo.reward_names(["a/rm", "hub/rm/"], ["vader", "tests/rewards.py:f", "m:f"]) == [
+        "rm", "rm_2", "vader", "f", "f_2"]
+
+
+def test_value_init_follows_the_tokenizers():
+    """The value model reads the policy's positions: a reward model only when it shares the policy's tokenizer."""
+    rm_tok = foreign_tokenizer()
+    choose = ppo.value_model_init
+    assert choose(None, ["rm_a", "rm_b"], [rm_tok, None], "sft")[0] == "rm_b"
+    path, why = choose(None, ["rm_a"], [rm_tok], "sft")
+    assert path == "sft" and "own tokenizers" in why and "fresh" in why
+    path, why = choose(None, [], [], "sft")
+    assert path == "sft" and "functions only" in why
+    assert choose("mine", ["rm_b"], [None], "sft")[0] == "mine"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a reward model with its own tokenizer, against plain transformers calls
+# ---------------------------------------------------------------------------------------------------------------
+def plain_score(rm, rm_tok, text: str, add_special_tokens: bool = False) -> float:
+    """The reward model on one unpadded text, as a user would call it."""
+    with torch.no_grad():
+        return rm(**rm_tok(text, add_special_tokens=add_special_tokens, return_tensors="pt")).logits[0, 0].item()
+
+
+def test_reward_model_texts_and_scores_match_plain_calls(chat):
+    tok, rm_tok = chat_tokenizer(), ppo.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=True)
+    assert rm_tok.pad_token == "[end]"  # no pad token: its eos pads (masked out)
+    rm = AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).eval()
+    prompts = [[{"role": "user", "content": "w3 w4 w5"}], [{"role": "system", "content": "w1"},
+                                                           {"role": "user", "content": "w9"}]]
+    pad = 36
+    queries = ppo.left_pad(ppo.encode_prompts(tok, prompts), pad)
+    responses = torch.tensor([[8, 9, 32, pad], [10, pad, pad, pad]])  # "w7 w8 <|im_end|>", "w9"
+    texts = ppo.reward_model_texts(tok, rm_tok, prompts, queries, responses, chat=True)
+    assert texts == ["[user] w3 w4 w5 [assistant] w7 w8 [end]", "[system] w1 [user] w9 [assistant] w9 [end]"]
+    with torch.no_grad():
+        scores = ppo.text_reward_scores(rm, rm_tok, texts, 64, False, "cpu")
+        expected = [plain_score(rm, rm_tok, t) for t in texts]
+        torch.testing.assert_close(scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+        # truncation keeps the end, where the score is read: the model on the last 4 tokens
+        short = ppo.text_reward_scores(rm, rm_tok, texts, 4, False, "cpu")
+        last4 = [rm(input_ids=torch.tensor([rm_tok(t, add_special_tokens=False)["input_ids"][-4:]])).logits[0, 0]
+                 for t in texts]
+        torch.testing.assert_close(short, torch.stack(last4), atol=1e-5, rtol=1e-5)
+    # text prompts: prompt and response decoded together, no template
+    plain = ppo.reward_model_texts(tok, rm_tok, ["w3 w4"], ppo.left_pad([[4, 5]], pad), torch.tensor([[8, pad]]),
+                                   chat=False)
+    assert plain == ["w3 w4 w7"]
+
+
+def test_encoder_reward_model_pools_by_itself():
+    """An encoder reward model (BERT, DeBERTa: OpenAssistant's reward models) reads its first token, as it does alone."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = BertForSequenceClassification(BertConfig(vocab_size=35, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
+    rm_tok = ppo.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=False)
+    texts = ["w3 w4 w5 w7", "w9", "w1 w2"]
+    with torch.no_grad():
+        scores = ppo.text_reward_scores(rm, rm_tok, texts, 64, True, "cpu")
+    torch.testing.assert_close(scores, torch.tensor([plain_score(rm, rm_tok, t, True) for t in texts]), atol=1e-5,
+                               rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end: chat prompts, a reward model on the policy's tokenizer, one on a foreign vocabulary, a rule, weights
+# ---------------------------------------------------------------------------------------------------------------
+WEIGHTS = (0.5, 1.5, 2.0)  # rm_same, rm_other, target_word_fraction
+
+
+@pytest.fixture(scope="module")
+def combined_run(chat, tmp_path_factory):
+    out = tmp_path_factory.mktemp("combined") / "run"
+    proc, rows = run_ppo(["--sft-model-path", str(chat["sft"]), "--reward-model-path", str(chat["rm_same"]),
+                          str(chat["rm_other"]), "--reward-fn", REWARD_FN, "--reward-weights",
+                          *map(str, WEIGHTS), "--dataset-name", str(chat["prompts"]), "--dataset-train-split",
+                          "train", *TINY, "--apply-chat-template", "auto", "--missing-eos-penalty", "1.0"], out)
+    return out, proc, rows
+
+
+def test_combined_scores_are_the_weighted_sum_minus_the_missing_eos_penalty(combined_run):
+    _, _, rows = combined_run
+    assert len(rows) == 2
+    for r in rows:
+        components = [r["objective/scores/rm_same"], r["objective/scores/rm_other"],
+                      r["objective/scores/target_word_fraction"]]
+        # the stop token is <|im_end|>, counted in the response only: the <|im_end|> of the templated system and
+        # user turns, inside every prompt, neither marks a response as ended nor hides a missing end (trl#6802)
+        missing = 1 - r["val/num_eos_tokens"] / 16
+        expected = sum(w * c for w, c in zip(WEIGHTS, components)) - 1.0 * missing
+        assert r["objective/scores"] == pytest.approx(expected, abs=1e-5)
+    assert 0 < sum(r["val/num_eos_tokens"] for r in rows) < 32  # some responses ended their turn, some did not
+    assert all(r["val/response_length"] < 8 for r in rows)  # ... and stopped there
+
+
+def test_banner_names_each_reward_path_and_the_value_init(combined_run, chat):
+    _, proc, _ = combined_run
+    out = re.sub(r"\s+", " ", proc.stdout)
+    assert "prompts: chat template; stop token id 32" in out
+    assert f"reward rm_same (weight 0.5): reward model {chat['rm_same']}, the policy's tokenizer" in out
+    assert f"reward rm_other (weight 1.5): reward model {chat['rm_other']}, its own tokenizer" in out
+    assert "reward target_word_fraction (weight 2): function" in out
+    assert f"value model: the reward model {chat['rm_same']}" in out
+
+
+def test_foreign_reward_model_scores_in_a_run_equal_plain_calls(combined_run, chat):
+    """Every sample-table row: the run's score of the foreign reward model equals that model called with plain
+    transformers on the texts rebuilt here, from the dataset's messages and the decoded response."""
+    out, proc, _ = combined_run
+    tok, rm_tok = AutoTokenizer.from_pretrained(chat["sft"]), AutoTokenizer.from_pretrained(chat["rm_other"])
+    assert tok("w7")["input_ids"] != rm_tok("w7")["input_ids"]  # really another vocabulary
+    rm = AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).eval()
+    eval_prompts = [json.loads(line)["prompt"] for line in chat["prompts"].read_text().splitlines()][-4:]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and {s["update"] for s in samples} == {1, 3}  # before update 1, after training (2)
+    assert "samples after training" in proc.stdout and "rm_other" in proc.stdout
+    for i, s in enumerate(samples):
+        response = tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"],
+                              skip_special_tokens=True)
+        text = rm_tok.apply_chat_template(eval_prompts[i % 4] + [{"role": "assistant", "content": response}],
+                                          tokenize=False)
+        assert s["rm_other"] == pytest.approx(plain_score(rm, rm_tok, text), abs=1e-5)
+        assert s["score"] == pytest.approx(sum(w * s[n] for w, n in zip(
+            WEIGHTS, ["rm_same", "rm_other", "target_word_fraction"])), abs=1e-5)
+    assert len({round(s["rm_other"], 6) for s in samples}) > 1  # the scores depend on the texts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input is refused before any model is loaded
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bad_assets(chat, assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    paths = {}
+    for name, tok in (("rm_no_pad_no_eos", foreign_tokenizer(eos=None)), ("rm_no_template",
+                                                                         foreign_tokenizer(template=None))):
+        paths[name] = root / name
+        AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).save_pretrained(paths[name])
+        tok.save_pretrained(paths[name])
+    paths["role"] = root / "role.jsonl"
+    paths["role"].write_text("".join(json.dumps({"prompt": [{"role": "narrator", "content": "w3"}]}) + "\n"
+                                     for _ in range(40)))
+    return paths
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(reward_model_path="RM_OTHER", reward_weights=(1.0,)), "1 weight(s) for 2 reward(s)"),
+    (dict(reward_weights=(1.0, 2.0)), "2 weight(s) for 1 reward(s)"),
+    (dict(reward_fn="tests/rewards.py:wrong_length"), "--reward-fn tests/rewards.py:wrong_length returned shape"),
+    (dict(reward_model_path="NO_PAD", reward_fn=()), "neither a pad nor an eos token"),
+    (dict(reward_model_path="NO_TEMPLATE", reward_fn=()), "with no chat template"),
+    (dict(dataset_name="ROLE"), "unknown role"),
+    (dict(apply_chat_template="false"), "--apply-chat-template false"),
+    (dict(sft_model_path="PLAIN_SFT"), "the policy's tokenizer has no chat template"),
+    (dict(sft_model_path="PLAIN_SFT", dataset_name="PLAIN_PROMPTS", apply_chat_template="true"),
+     "the policy's tokenizer has no chat template"),
+])
+def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_path, overrides, message):
+    named = {"RM_OTHER": chat["rm_other"], "NO_PAD": bad_assets["rm_no_pad_no_eos"], "ROLE": bad_assets["role"],
+             "NO_TEMPLATE": bad_assets["rm_no_template"], "PLAIN_SFT": assets["sft"], "PLAIN_PROMPTS": assets["prompts"]}
+    fields = dict(sft_model_path=str(chat["sft"]), reward_fn=REWARD_FN, dataset_name=str(chat["prompts"]),
+                  dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
+                  per_device_train_batch_size=4, num_trainable_layers=None)
+    fields.update({k: str(named[v]) if isinstance(v, str) and v in named else v for k, v in overrides.items()})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ppo.main(ppo.Args(**fields))
+    assert not (tmp_path / "run").exists()  # refused before anything was written
