@@ -57,6 +57,8 @@ class Args:
     """the ppo.py to measure (another copy gives before/after figures)"""
     repeats: int = 1
     """run each trainer this many times, alternating, and keep the fastest (the machine may be shared)"""
+    threads: int | None = None
+    """OMP_NUM_THREADS for both trainers (None: torch's default, one per core)"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,12 +122,17 @@ def build_workload(cache_dir: Path) -> dict:
     GPTNeoXForSequenceClassification(config).save_pretrained(tmp / "reward")
     for name in ("policy", "reward"):
         tokenizer.save_pretrained(tmp / name)
-    # "words": the vocabulary's alphabetic entries, with or without their leading-space marker
-    words = sorted({w.lstrip("Ġ") for w in tokenizer.get_vocab() if w.lstrip("Ġ").isalpha() and w.isascii()})
+    # "words": alphabetic vocabulary entries, 30% whole words (one token after a space), 70% word pieces (about 1.5
+    # tokens after a space), so 30-48 words make about 40-64 tokens
+    vocab = tokenizer.get_vocab()
+    whole = sorted(w[1:] for w in vocab if w.startswith("Ġ") and w[1:].isalpha() and w[1:].isascii())
+    pieces = sorted(w for w in vocab if w.isalpha() and w.isascii())
     rng = random.Random(0)
     with open(tmp / "prompts.jsonl", "w") as f:
         for _ in range(NUM_PROMPTS):
-            f.write(json.dumps({"prompt": " ".join(rng.choices(words, k=rng.randint(MIN_WORDS, MAX_WORDS)))}) + "\n")
+            n = rng.randint(MIN_WORDS, MAX_WORDS)
+            words = [rng.choice(whole if rng.random() < 0.3 else pieces) for _ in range(n)]
+            f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
     (tmp / "done").write_text("")
     if cache_dir.exists():
         import shutil
@@ -162,10 +169,11 @@ def measure_matmul_gflops(size: int = 1024, seconds: float = 2.0) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # Running the trainers
 # ----------------------------------------------------------------------------------------------------------------
-def run_child(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Run a command to completion; return (wall seconds, its peak RSS in MB) from os.wait4's own rusage."""
+def run_child(cmd: list[str], log: Path, threads: int | None) -> tuple[float, float, float]:
+    """Run a command to completion; return (wall seconds, CPU seconds, peak RSS in MB) from os.wait4's rusage of
+    that child alone. CPU seconds suffer less than wall time from other processes on a shared machine."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -176,7 +184,7 @@ def run_child(cmd: list[str], log: Path) -> tuple[float, float]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); last lines of {log}:\n"
                          + "\n".join(log.read_text().splitlines()[-30:]))
-    return wall, peak_rss_mb(usage.ru_maxrss)
+    return wall, usage.ru_utime + usage.ru_stime, peak_rss_mb(usage.ru_maxrss)
 
 
 def ppo_command(script: str, paths: dict, episodes: int, output_dir: Path) -> list[str]:
@@ -191,12 +199,13 @@ def ppo_command(script: str, paths: dict, episodes: int, output_dir: Path) -> li
 
 def run_ppo(args: Args, paths: dict, run: int) -> dict:
     out = Path(args.output_dir) / f"ppo-{run}"
-    wall, rss = run_child(ppo_command(args.ppo_script, paths, args.episodes, out), out.with_suffix(".log"))
+    wall, cpu, rss = run_child(ppo_command(args.ppo_script, paths, args.episodes, out), out.with_suffix(".log"),
+                               args.threads)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     phases = {k: sum(r.get(f"time/{k}", 0.0) for r in rows) for k in ("generation", "scoring", "gae", "training")}
     loop = args.episodes / rows[-1]["eps"]  # ppo.py's own clock over the update loop
     tokens = sum(r["val/response_length"] for r in rows) * HPARAMS["per_device_train_batch_size"]
-    return dict(trainer="ppo.py", loop_s=loop, wall_s=wall, peak_rss_mb=rss, eps=args.episodes / loop,
+    return dict(trainer="ppo.py", loop_s=loop, wall_s=wall, cpu_s=cpu, peak_rss_mb=rss, eps=args.episodes / loop,
                 tokens_per_s=tokens / loop, phases=phases)
 
 
@@ -206,9 +215,9 @@ def run_trl(args: Args, paths: dict, run: int) -> dict:
     cmd = [args.trl_python, str(ROOT / "benchmarks" / "trl_ppo.py"), "--policy", str(paths["policy"]), "--reward",
            str(paths["reward"]), "--prompts", str(paths["prompts"]), "--output-dir", str(out), "--episodes",
            str(args.episodes), "--hparams", json.dumps(HPARAMS), "--result", str(result)]
-    wall, rss = run_child(cmd, out.with_suffix(".log"))
+    wall, cpu, rss = run_child(cmd, out.with_suffix(".log"), args.threads)
     loop = json.loads(result.read_text())["train_s"]
-    return dict(trainer="TRL 1.12", loop_s=loop, wall_s=wall, peak_rss_mb=rss, eps=args.episodes / loop)
+    return dict(trainer="TRL 1.12", loop_s=loop, wall_s=wall, cpu_s=cpu, peak_rss_mb=rss, eps=args.episodes / loop)
 
 
 def main(args: Args) -> None:
@@ -220,6 +229,8 @@ def main(args: Args) -> None:
     import torch
 
     paths = build_workload(Path(args.cache_dir))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gflops = measure_matmul_gflops()
     results = {"ppo.py": [], "TRL 1.12": []}
     for run in range(args.repeats):  # alternating, so a noisy neighbour hits both alike
@@ -251,18 +262,19 @@ def main(args: Args) -> None:
           f"{flops['training'] / 1e12:.2f}); this machine: {gflops:.0f} GFLOP/s fp32 matmul on "
           f"{torch.get_num_threads()} threads, so at best {args.episodes / ceiling:.2f} episodes/s\n")
     header = ["trainer", "episodes/s", "tokens/s", "generation s", "scoring s", "GAE s", "training s", "loop s",
-              "process s", "peak RSS MB", "of peak FLOP/s"]
+              "process s", "process CPU s", "peak RSS MB", "of peak FLOP/s"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for name, r in best.items():
         ph = r.get("phases", {})
         lines.append(" | ".join([
             name, f"{r['eps']:.2f}", f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-",
             *(f"{ph[k]:.1f}" if k in ph else "-" for k in ("generation", "scoring", "gae", "training")),
-            f"{r['loop_s']:.1f}", f"{r['wall_s']:.1f}", f"{r['peak_rss_mb']:.0f}", f"{100 * ceiling / r['loop_s']:.0f}%"]))
+            f"{r['loop_s']:.1f}", f"{r['wall_s']:.1f}", f"{r['cpu_s']:.0f}", f"{r['peak_rss_mb']:.0f}", f"{100 * ceiling / r['loop_s']:.0f}%"]))
     print("\n".join(lines))
     if len(best) == 2:
         p, t = best["ppo.py"], best["TRL 1.12"]
-        print(f"\nppo.py / TRL 1.12: {p['eps'] / t['eps']:.2f}x the episodes/s, "
+        print(f"\nppo.py / TRL 1.12: {p['eps'] / t['eps']:.2f}x the episodes/s ({t['cpu_s'] / p['cpu_s']:.2f}x less "
+              f"process CPU time), "
               f"{p['peak_rss_mb'] / t['peak_rss_mb']:.2f}x the peak RSS")
     if args.repeats > 1:
         for name, runs in results.items():
