@@ -250,7 +250,7 @@ class HeadLogprobs(torch.autograd.Function):
             lses.append(lse)
             if with_entropy:  # -sum p log p, with log p formed in place
                 logp = logits.sub_(lse.unsqueeze(-1))
-                entropies.append(-(logp.exp() * logp).sum(-1))
+                entropies.append(-logp.exp().mul_(logp).sum(-1))
         lse = torch.cat(lses)
         ctx.save_for_backward(hidden, weight, tokens, lse)
         ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
