@@ -290,7 +290,7 @@ class HeadLogprobs(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**23):
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
     """(logprobs, entropy) of `tokens` under scale_logits(hidden @ weight.T), for hidden (..., H) and tokens (...):
     HeadLogprobs over chunks of about `chunk_elements` logits. The entropy is empty unless asked for."""
     shape = tokens.shape
