@@ -228,6 +228,16 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
     return logits
 
 
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
+    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
+    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
+    (benchmarks/throughput.py); this needs one uniform per row."""
+    cdf = probs.double().cumsum(-1)
+    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
     return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -237,6 +247,74 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(p * l)."""
     p = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log softmax(scale_logits(hidden @ weight.T))[token] and the entropy of that distribution, a chunk of rows at a
+    time: no (rows, vocab) tensor outlives its chunk (benchmarks/throughput.py: one such tensor of the training
+    micro-batch is 333 MB, and the unfused path made about a dozen full passes and copies over it). The backward
+    recomputes each chunk's logits from the saved hidden states (one more LM-head product) instead of keeping them.
+    The entropy is a statistic: no gradient flows through it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
+        logprobs, lses, entropies = [], [], []
+        for start in range(0, hidden.size(0), chunk_rows):
+            logits = HeadLogprobs.scaled_logits(hidden[start:start + chunk_rows], weight, temperature, pad_token_id)
+            lse = torch.logsumexp(logits, dim=-1)
+            tok = tokens[start:start + chunk_rows].unsqueeze(-1)
+            logprobs.append(logits.gather(-1, tok).squeeze(-1) - lse)
+            lses.append(lse)
+            if with_entropy:  # -sum p log p, with log p formed in place
+                logp = logits.sub_(lse.unsqueeze(-1))
+                entropies.append(-logp.exp().mul_(logp).sum(-1))
+        lse = torch.cat(lses)
+        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
+        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logprobs), entropy
+
+    @staticmethod
+    def scaled_logits(hidden, weight, temperature, pad_token_id):
+        """scale_logits(hidden @ weight.T), in float32 (float64 stays float64: the tests' references use it)."""
+        logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))
+        logits.div_(temperature + 1e-7)
+        if pad_token_id < logits.size(-1):
+            logits[..., pad_token_id] = torch.finfo(logits.dtype).min
+        return logits
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                  device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.size(0), ctx.chunk_rows):
+            stop = start + ctx.chunk_rows
+            h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
+            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0
+            logits = HeadLogprobs.scaled_logits(h, weight, ctx.temperature, ctx.pad_token_id)
+            grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
+            grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad, weight, out=grad_hidden[start:stop])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                None, None, None, None, None)
+
+
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
+    """(logprobs, entropy) of `tokens` under scale_logits(hidden @ weight.T), for hidden (..., H) and tokens (...):
+    HeadLogprobs over chunks of about `chunk_elements` logits. The entropy is empty unless asked for."""
+    shape = tokens.shape
+    chunk_rows = max(1, chunk_elements // weight.size(0))
+    logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
+                                           temperature, pad_token_id, chunk_rows, with_entropy)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -482,8 +560,38 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=N
     return out.logits[:, :-1]
 
 
+def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature, trunk=None,
+                      with_entropy=False, fused=True):
+    """(log-probs of `response_ids`, entropies or an empty tensor) under the sampling distribution, per response
+    position. fused: the backbone's hidden states go through `head_logprobs`, chunk by chunk, so the (batch, length,
+    vocab) logits never exist at once; else (a head that is more than one bias-free matrix, see `fused_head_is_exact`)
+    the logits come from the model's own head."""
+    if fused:
+        hidden = scalar_outputs(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+        return head_logprobs(hidden, policy.get_output_embeddings().weight, response_ids, temperature, pad_token_id,
+                             with_entropy)
+    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, trunk), temperature,
+                          pad_token_id)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits) if with_entropy else logits.new_zeros(0)
+    return logprobs_from_logits(logits, response_ids), entropy
+
+
+def fused_head_is_exact(policy, probe: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
+    """Whether the fused path reproduces the model's own logits on a probe batch (a model whose head scales, caps or
+    biases its logits keeps the unfused path)."""
+    head = policy.get_output_embeddings()
+    if getattr(head, "weight", None) is None or getattr(head, "bias", None) is not None:
+        return False
+    ids = probe[:, 1:].masked_fill(probe[:, 1:] == pad_token_id, 0)
+    with torch.no_grad():
+        fused = response_logprobs(policy, probe, pad_token_id, 1, ids, temperature, with_entropy=True)
+        plain = response_logprobs(policy, probe, pad_token_id, 1, ids, temperature, with_entropy=True, fused=False)
+        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
+
+
 def scalar_outputs(scalar_model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
     inputs, blocks = backbone_inputs(scalar_model, query_responses, pad_token_id, trunk)
     with blocks:
         return scalar_model.base_model(**inputs, use_cache=False).last_hidden_state
@@ -528,9 +636,13 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, query_responses, pad_token_id, context_length, policy_trunk=None, value_trunk=None):
-        return (policy_logits(self.policy, query_responses, pad_token_id, context_length, policy_trunk),
-                value_forward(self.value_model, query_responses, pad_token_id, context_length, value_trunk))
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
+                policy_trunk=None, value_trunk=None):
+        """(log-probs, entropies, values) of the responses (see `response_logprobs`)."""
+        logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length, response_ids,
+                                              temperature, policy_trunk, with_entropy=True, fused=fused)
+        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
+                                                value_trunk)
 
 
 @torch.no_grad()
@@ -551,7 +663,8 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
         logits = scale_logits(out.logits[:, -1], temperature, pad_token_id)
-        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+        token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
         tokens.append(token)
         logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
         if stop_token_id is not None:
@@ -1181,6 +1294,10 @@ def main(args: Args) -> None:
             frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
             if frozen > 0 and split_forward_is_exact(m, probe, pad_token_id, frozen):
                 num_frozen[name] = frozen
+    # log-probs straight from the hidden states, without (batch, length, vocab) logits, where that is exact; not under
+    # ZeRO-3, whose sharded LM-head weight is whole only inside the head's own forward
+    fused_head = not zero3 and fused_head_is_exact(policy, left_pad(train_dataset[:2]["input_ids"], pad_token_id),
+                                                   pad_token_id, args.temperature)
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
     model = PolicyAndValueWrapper(policy, value_model)
@@ -1348,14 +1465,18 @@ def main(args: Args) -> None:
                 value_trunk = policy_trunk if value_shares_trunk else (
                     (frozen_trunk(unwrapped.value_model, qr, pad_token_id, num_frozen["value"]), num_frozen["value"])
                     if "value" in num_frozen else None)
-                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length, policy_trunk),
-                                          args.temperature, pad_token_id)
-                ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
                 if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
+                    ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length,
+                                                            policy_trunk), args.temperature, pad_token_id)
+                    ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
                     full_kls.append(full_kl(scale_logits(policy_logits(unwrapped.policy, qr, pad_token_id,
                                                                        context_length, policy_trunk),
                                                          args.temperature, pad_token_id), ref_logits))
-                del ref_logits
+                    del ref_logits
+                else:
+                    ref_logprobs.append(response_logprobs(ref_policy, qr, pad_token_id, context_length,
+                                                          response_ids[i:i + chunk], args.temperature, policy_trunk,
+                                                          fused=fused_head)[0])
                 values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
                 policy_trunks.append(policy_trunk[0] if policy_trunk else None)
                 value_trunks.append(value_trunk[0] if value_trunk else None)
@@ -1399,6 +1520,7 @@ def main(args: Args) -> None:
             # ====================================================================================================
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+            time_gae = time.perf_counter() - timer - time_generation - time_scoring
 
         # ================================================================================================================
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
@@ -1419,9 +1541,9 @@ def main(args: Args) -> None:
             total = torch.zeros(2, device=device)
             with torch.no_grad():
                 for mbi in micro_batches:
-                    logits = policy_logits(accelerator.unwrap_model(model).policy, query_responses[mbi],
-                                           pad_token_id, context_length, trunks(mbi)[0])
-                    new = logprobs_from_logits(scale_logits(logits, args.temperature, pad_token_id), response_ids[mbi])
+                    new = response_logprobs(accelerator.unwrap_model(model).policy, query_responses[mbi], pad_token_id,
+                                            context_length, response_ids[mbi], args.temperature, trunks(mbi)[0],
+                                            fused=fused_head)[0]
                     real = ~padding_mask[mbi]
                     total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
             total = accelerator.reduce(total, "sum")
@@ -1443,9 +1565,9 @@ def main(args: Args) -> None:
                     continue
                 for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length, *trunks(mbi))
-                        logits = scale_logits(logits, args.temperature, pad_token_id)
-                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
+                        new_logprobs, entropy, vpred = model(query_responses[mbi], pad_token_id, context_length,
+                                                             response_ids[mbi], args.temperature, fused_head,
+                                                             *trunks(mbi))
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -1466,14 +1588,14 @@ def main(args: Args) -> None:
                         optimizer.step()
                         optimizer.zero_grad()
                         with torch.no_grad():
-                            entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
+                            entropy = masked_mean(entropy, ~padding_mask[mbi])
                             idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
                             for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
                                          ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
                                          ("ratio", ratio_mean)):
                                 stats[k][idx] = v.detach()
                             trained[idx] = True
-                    del logits, vpred, loss
+                    del new_logprobs, entropy, vpred, loss
                 # early stop on a KL target, checked after every minibatch on all processes together (classic TRL
                 # checked once per epoch, so a whole epoch could overshoot)
                 if args.target_kl is not None and accelerator.reduce(
@@ -1505,7 +1627,7 @@ def main(args: Args) -> None:
             component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
                                                  .unsqueeze(0)).mean(0).tolist()
             metrics = {
-                "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
+                "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
                 "objective/kl": mean_kl,
                 "objective/entropy": mean_entropy,
                 "objective/non_score_reward": mean_nsr,
@@ -1528,6 +1650,7 @@ def main(args: Args) -> None:
                 "objective/kl_coef": kl_coef,  # the beta these rewards used
                 "time/generation": time_generation,  # seconds on rank 0: sampling
                 "time/scoring": time_scoring,  # reference, value and reward forwards
+                "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
                 "time/training": time_training,  # PPO epochs
                 "lr": lr,
                 "episode": episode,

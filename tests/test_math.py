@@ -310,6 +310,126 @@ def test_entropy_finite_with_dtype_min_logit(dtype):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# head_logprobs (fused LM head + log-softmax + gather + entropy, chunked) / sample_inverse_cdf
+# ------------------------------------------------------------------------------------------------------------------
+def naive_head_logits(h: list[float], weight: list[list[float]], temperature: float, pad: int) -> list[float]:
+    """One row of scale_logits(h @ W.T), with the pad column removed from the distribution (probability 0)."""
+    out = [sum(a * b for a, b in zip(h, w)) / (temperature + 1e-7) for w in weight]
+    return [(-math.inf if j == pad else x) for j, x in enumerate(out)]
+
+
+def naive_logp_and_entropy(logits: list[float], k: int) -> tuple[float, float]:
+    finite = [x for x in logits if x > -math.inf]
+    m = max(finite)
+    log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+    return logits[k] - log_z, -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
+
+
+HEAD_CASES = [  # (rows, hidden, vocab, pad, chunk_elements)
+    (5, 3, 7, 7, 7),  # pad outside the vocabulary, one row per chunk
+    (6, 4, 9, 2, 20),  # pad inside, 2 rows per chunk
+    (4, 2, 5, 4, 10**6),  # pad the last column, everything in one chunk
+    (7, 3, 6, 0, 18),  # 3 rows per chunk, the last chunk short
+]
+
+
+@pytest.mark.parametrize("n, hidden, vocab, pad, chunk", HEAD_CASES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs(n, hidden, vocab, pad, chunk, temperature):
+    h, w = randn((n, hidden), seed=n, scale=2.0), randn((vocab, hidden), seed=vocab)
+    tokens = torch.randint(0, vocab, (n,), generator=gen(hidden))
+    tokens[tokens == pad] = (pad + 1) % vocab  # ppo.py never asks for the pad token
+    lp, ent = ppo.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    expected = [naive_logp_and_entropy(naive_head_logits(hr, rows(w), temperature, pad), k)
+                for hr, k in zip(rows(h), tokens.tolist())]
+    assert_close(lp, [e[0] for e in expected])
+    assert_close(ent, [e[1] for e in expected])
+    lp_only, empty = ppo.head_logprobs(h, w, tokens, temperature, pad, chunk_elements=chunk)
+    assert_close(lp_only, lp) and empty.numel() == 0
+
+
+@pytest.mark.parametrize("n, hidden, vocab, pad, chunk", HEAD_CASES)
+def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk):
+    """Gradients of sum_i c_i logprob_i against a loop: d logprob_i / d logit_ij = (1[j = token_i] - p_ij) / T, zero in
+    the pad column (its logit is a constant), chained through logit_ij = h_i . w_j."""
+    temperature = 0.7
+    h = randn((n, hidden), seed=n + 1).requires_grad_()
+    w = randn((vocab, hidden), seed=vocab + 1).requires_grad_()
+    tokens = torch.randint(0, vocab, (n,), generator=gen(hidden + 1))
+    tokens[tokens == pad] = (pad + 1) % vocab
+    c = randn((n,), seed=3)
+    lp, ent = ppo.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    assert not ent.requires_grad
+    (lp * c).sum().backward()
+    W, H = rows(w.detach()), rows(h.detach())
+    grad_h = [[0.0] * hidden for _ in range(n)]
+    grad_w = [[0.0] * hidden for _ in range(vocab)]
+    for i in range(n):
+        logits = naive_head_logits(H[i], W, temperature, pad)
+        finite = [x for x in logits if x > -math.inf]
+        m = max(finite)
+        log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+        for j in range(vocab):
+            if j == pad:
+                continue
+            d = c[i].item() * ((1.0 if j == tokens[i].item() else 0.0) - math.exp(logits[j] - log_z))
+            d /= temperature + 1e-7
+            for k in range(hidden):
+                grad_h[i][k] += d * W[j][k]
+                grad_w[j][k] += d * H[i][k]
+    assert_close(h.grad, grad_h)
+    assert_close(w.grad, grad_w)
+
+
+def test_head_logprobs_matches_the_unfused_float32_path():
+    """ppo.py's fused path against scale_logits -> logprobs_from_logits / entropy_from_logits on the same logits."""
+    h, w = randn((3, 4, 8), seed=1, dtype=torch.float32), randn((50, 8), seed=2, scale=3.0, dtype=torch.float32)
+    tokens = torch.randint(0, 49, (3, 4), generator=gen(3))
+    lp, ent = ppo.head_logprobs(h, w, tokens, 0.7, 49, with_entropy=True, chunk_elements=100)
+    logits = ppo.scale_logits(h @ w.T, 0.7, 49)
+    assert lp.shape == ent.shape == tokens.shape and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ppo.logprobs_from_logits(logits, tokens), **F32)
+    # lse - sum p l (unfused) cancels where the entropy is small; -sum p log p (fused) does not: an absolute bound
+    torch.testing.assert_close(ent, ppo.entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
+
+
+def naive_inverse_cdf(p: list[float], u: float) -> int:
+    total = sum(p)
+    acc = 0.0
+    for j, x in enumerate(p):
+        acc += x
+        if acc > u * total:
+            return j
+    return len(p) - 1
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 13])
+def test_sample_inverse_cdf(vocab):
+    probs = torch.softmax(randn((50, vocab), seed=vocab, scale=3.0), -1)
+    probs[:, vocab // 2] = 0.0  # a zero-probability token (the pad column) ...
+    probs[0] = 0.0
+    probs[0, -1] = 1.0  # ... and a row whose only mass is on the last token
+    u = torch.rand(50, generator=gen(vocab), dtype=torch.float64)
+    u[1], u[2] = 0.0, 1.0 - 1e-12  # the edges of [0, 1)
+    out = ppo.sample_inverse_cdf(probs, u)
+    assert out.shape == (50, 1)
+    assert out.squeeze(-1).tolist() == [naive_inverse_cdf(p, x) for p, x in zip(rows(probs), u.tolist())]
+    if vocab > 1:
+        assert (out[1:] != vocab // 2).all()  # row 0 puts its mass on the last token
+
+
+def test_sample_inverse_cdf_frequencies():
+    """Drawn with torch.rand uniforms, the tokens follow the distribution (binomial 5-sigma bounds)."""
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    n = 100_000
+    out = ppo.sample_inverse_cdf(p.expand(n, 5), torch.rand(n, generator=gen(0)))
+    counts = torch.bincount(out.squeeze(-1), minlength=5).tolist()
+    assert counts[1] == 0
+    for c, q in zip(counts, p.tolist()):
+        assert abs(c - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1e-9
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # masked_mean / masked_var / masked_whiten
 # ------------------------------------------------------------------------------------------------------------------
 SHAPES_2D = [(1, 2), (3, 5), (4, 17), (16, 64)]

@@ -283,6 +283,27 @@ def test_split_forward_is_refused_where_it_is_not_exact():
     assert not ppo.split_forward_is_exact(gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_fused_head_matches_the_models_own_head(tmp_path, arch):
+    """The fused LM-head path (ppo.py's default) gives the log-probs, entropies and gradients of the model's own
+    logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
+    policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"])
+    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
+    ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
+    assert ppo.fused_head_is_exact(policy, qr, PAD, 0.7)
+    results = []
+    for fused in (True, False):
+        policy.zero_grad()
+        lp, ent = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True, fused=fused)
+        lp.sum().backward()
+        results.append([lp.detach(), ent] + [p.grad.clone() for p in policy.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    head = policy.get_output_embeddings()
+    policy.set_output_embeddings(torch.nn.Linear(head.in_features, head.out_features, bias=True))
+    assert not ppo.fused_head_is_exact(policy, qr, PAD, 0.7)
+
+
 def test_vader_reward_is_sentiment():
     good, bad, neutral = ppo.load_reward_fn("vader")(["", "", ""], ["I love this movie, it was wonderful!",
                                                                    "This film was terrible and boring.", "w3 w4"])

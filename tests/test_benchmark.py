@@ -1,0 +1,47 @@
+"""The pure parts of benchmarks/throughput.py: the matmul weight count and the FLOP count of one PPO update, each
+against a naive count (a model's nn.Linear modules; a loop over every forward and every token). No timing here."""
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import throughput  # noqa: E402
+
+
+@pytest.mark.parametrize("hidden, layers, intermediate, vocab", [(32, 2, 64, 31), (128, 6, 512, 1000)])
+def test_matmul_params_counts_the_models_linear_weights(hidden, layers, intermediate, vocab):
+    import torch.nn as nn
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                             num_attention_heads=4, intermediate_size=intermediate,
+                                             tie_word_embeddings=False))
+    head = model.get_output_embeddings()
+    blocks = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    assert throughput.matmul_params(hidden, layers, intermediate, vocab) == (blocks, head.weight.numel())
+
+
+def naive_update_flops(blocks, head, batch, context, response, ppo_epochs):
+    """Every forward, every row, every token position: 2 FLOPs per weight that the token meets; backward twice that."""
+    seq = context + response
+    gen = score = train = 0
+    for _ in range(batch):
+        for t in range(context):  # prefill: blocks at every prompt position, the head at the last one
+            gen += 2 * blocks + (2 * head if t == context - 1 else 0)
+        for _ in range(response - 1):  # cached decoding steps
+            gen += 2 * (blocks + head)
+        for t in range(seq):  # reference (head on the response positions), value model, reward model
+            score += 3 * 2 * blocks + (2 * head if t >= context else 0)
+        for _ in range(ppo_epochs):
+            for t in range(seq):  # policy (head on the last response + 1 positions) and value, forward + backward
+                train += 3 * (2 * 2 * blocks + (2 * head if t >= context - 1 else 0))
+    return dict(generation=gen, scoring=score, training=train)
+
+
+@pytest.mark.parametrize("batch, context, response, epochs", [(1, 1, 1, 1), (3, 5, 4, 2), (32, 64, 53, 4)])
+def test_update_flops(batch, context, response, epochs):
+    blocks, head = throughput.matmul_params(128, 6, 512, 49153)
+    assert throughput.update_flops(blocks, head, batch, context, response, epochs) == naive_update_flops(
+        blocks, head, batch, context, response, epochs)
