@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from peft import LoraConfig, PeftModel, get_peft_model
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -30,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 DEFAULT_PROMPTS = "cache/movie_review_chat_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
 
 
 @dataclass
@@ -134,6 +136,30 @@ class Args:
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
+
+    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Training in the memory of one model")
+    use_peft: bool = False
+    """train a LoRA adapter (peft) instead of the policy's weights; the reference is the same model with the adapter
+    off, so no reference model is loaded"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input in training forwards; above 0 the training forward no longer matches the rollout's"""
+    lora_target_modules: list[str] | None = None
+    """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
+    model_adapter_name: str | None = None
+    """the adapter to train: one the --sft-model-path peft checkpoint carries, else a fresh one (None: `default`)"""
+    ref_adapter_name: str | None = None
+    """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the adapter-free base)"""
+    merge_adapter: bool = False
+    """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
+    shared_value_head: bool = False
+    """the value is a linear head on the policy's final hidden state: no value model is loaded (classic TRL's
+    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter"""
+    gradient_checkpointing: bool = False
+    """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
     num_sample_generations: int = 10
@@ -402,9 +428,15 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
+def unpeft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel, or the model itself. peft injects its LoRA layers into that
+    model in place, so a forward through it uses whichever adapter is active."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
 def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The attribute name and the list of transformer blocks of a transformers model's backbone."""
-    for name, child in model.base_model.named_children():
+    for name, child in unpeft(model).base_model.named_children():
         if isinstance(child, nn.ModuleList):
             return name, child
     raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
@@ -414,11 +446,12 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
     """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed."""
     name, blocks = transformer_blocks(model)
-    setattr(model.base_model, name, blocks[start:stop])
+    backbone = unpeft(model).base_model
+    setattr(backbone, name, blocks[start:stop])
     try:
         yield
     finally:
-        setattr(model.base_model, name, blocks)
+        setattr(backbone, name, blocks)
 
 
 def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
@@ -432,7 +465,7 @@ def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch
         lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
     try:
         with blocks_only(model, 0, num_frozen):
-            model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+            unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
     finally:
         hook.remove()
     return outputs[0]
@@ -469,13 +502,100 @@ def scalar_outputs(scalar_model, query_responses, pad_token_id, trunk=None):
     """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
     inputs, blocks = backbone_inputs(scalar_model, query_responses, pad_token_id, trunk)
     with blocks:
-        return scalar_model.base_model(**inputs, use_cache=False).last_hidden_state
+        return unpeft(scalar_model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None):
     """values[:, t] is read at the hidden state just before response token t."""
     hidden = scalar_outputs(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float()
+
+
+def policy_logits_and_values(policy, value_head, query_responses, pad_token_id, context_length, trunk=None):
+    """--shared-value-head: one policy forward gives the logits (as `policy_logits`) and the values, the head applied
+    to the backbone's final hidden state (the LM head's input) at the positions `value_forward` reads."""
+    captured = []
+    hook = unpeft(policy).base_model.register_forward_hook(
+        lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        logits = policy_logits(policy, query_responses, pad_token_id, context_length, trunk)
+    finally:
+        hook.remove()
+    return logits, value_head(captured[0][:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+def new_value_head(hidden_size: int) -> nn.Linear:
+    """A value head for --shared-value-head, zero at the start like the separate model's fresh head."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def load_value_head(path: str | Path) -> nn.Linear:
+    """The value head a --shared-value-head run saved ({output_dir}/value_head.safetensors, keys `weight` (1, hidden)
+    and `bias` (1,)). Values: head(final hidden state of the saved policy), as `policy_logits_and_values`."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
+    head.load_state_dict(state)
+    return head
+
+
+@contextmanager
+def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
+    """Inside: the reference, the same weights with the adapter off, or with the named reference adapter active.
+
+    Rollout and training run outside it, always with the trained adapter on. Classic TRL generated its "reference"
+    responses with the adapter still on: it called disable_adapter() without `with`, which does nothing."""
+    if ref_adapter_name is None:
+        with policy.disable_adapter():
+            yield
+        return
+    policy.set_adapter(ref_adapter_name, inference_mode=True)  # inference_mode: the reference adapter stays frozen
+    try:
+        yield
+    finally:
+        policy.set_adapter(model_adapter_name)
+
+
+def checkpoint_adapters(path: str) -> dict[str, Path]:
+    """The adapters a peft checkpoint directory carries, by name: `default` at its root and every other adapter in
+    a subdirectory of its name (the layout of PeftModel.save_pretrained). Empty for a plain model."""
+    root = Path(path)
+    if not root.is_dir():
+        return {}
+    found = {"default": root} if (root / "adapter_config.json").is_file() else {}
+    found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
+    return found
+
+
+def lora_config(args, model_config, num_blocks: int, trust_remote_code: bool = False) -> LoraConfig:
+    """The fresh adapter of --use-peft, on the top --num-trainable-layers blocks only: the frozen bottom blocks carry
+    no adapter, so their output is the same with the adapter on or off and the frozen-trunk cache still serves policy
+    and reference. `all-linear` is expanded to the blocks' linear layers (peft's own `all-linear` cannot be combined
+    with a layer range)."""
+    targets = args.lora_target_modules
+    if targets == ["all-linear"]:
+        with torch.device("meta"):
+            blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
+                                                                         trust_remote_code=trust_remote_code))[1]
+        targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
+    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers, num_blocks))
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
+
+
+def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
+    """Apply the adapter to an empty (meta-device) copy of the model: unknown target modules fail here, before any
+    weights are loaded."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        try:
+            get_peft_model(skeleton, config)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
@@ -488,14 +608,19 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
 
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+    TRL once built the optimizer on the policy only and the critic never trained (trl#2463). With --shared-value-head
+    the value is `value_head` on the policy's final hidden state: one backbone forward gives logits and values."""
 
-    def __init__(self, policy, value_model):
+    def __init__(self, policy, value_model=None, value_head=None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+        self.value_head = value_head
 
     def forward(self, query_responses, pad_token_id, context_length, policy_trunk=None, value_trunk=None):
+        if self.value_head is not None:
+            return policy_logits_and_values(self.policy, self.value_head, query_responses, pad_token_id,
+                                            context_length, policy_trunk)
         return (policy_logits(self.policy, query_responses, pad_token_id, context_length, policy_trunk),
                 value_forward(self.value_model, query_responses, pad_token_id, context_length, value_trunk))
 
@@ -819,6 +944,19 @@ def main(args: Args) -> None:
     # ============================================================================================================
     if args.reward_model_path is not None and args.reward_fn is not None:
         raise ValueError("give one reward: --reward-model-path (a sequence classifier) or --reward-fn, not both")
+    if not args.use_peft:
+        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
+        if args.merge_adapter:
+            raise ValueError("--merge-adapter needs --use-peft")
+    if args.lora_r < 1 or not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-r must be >= 1 and --lora-dropout in [0, 1), got {args.lora_r}, {args.lora_dropout}")
+    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.shared_value_head and args.value_model_path is not None:
+        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
+                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
     if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
     for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
@@ -857,17 +995,35 @@ def main(args: Args) -> None:
     remote = dict(trust_remote_code=args.trust_remote_code)
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
+        # a peft checkpoint as SFT model: its adapters go on the base model it names
+        sft_adapters = checkpoint_adapters(sft_model_path)
+        if sft_adapters:
+            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
+            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
         reward_model_path = resolve_model_path(args.reward_model_path) if args.reward_model_path else None
-        value_model_path = resolve_model_path(args.value_model_path or args.reward_model_path or args.sft_model_path)
+        value_model_path = (resolve_model_path(args.value_model_path or args.reward_model_path)
+                            if args.value_model_path or args.reward_model_path else sft_model_path)
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
+    if sft_adapters and not args.use_peft:
+        raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
+                         f"{sorted(sft_adapters)}): add --use-peft to train with it")
+    model_adapter_name = args.model_adapter_name or "default"
+    if args.ref_adapter_name is not None and args.ref_adapter_name not in sft_adapters:
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: --sft-model-path {args.sft_model_path} carries "
+                         f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
     if reward_model_path:
         check_scalar_model(reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    if not args.shared_value_head:
+        check_scalar_model(value_model_path, "value model", require_head=False, **remote)
     model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
     if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
                          f"{model_config.num_hidden_layers} transformer blocks")
+    fresh_adapter = None
+    if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
+        fresh_adapter = lora_config(args, model_config, model_config.num_hidden_layers, args.trust_remote_code)
+        check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
@@ -928,38 +1084,71 @@ def main(args: Args) -> None:
     # 1. Models: policy, frozen reference, value (initialised from the reward model), reward model or function
     # ============================================================================================================
     policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
-    ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
-    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **remote)
-    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
-        # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
-        nn.init.zeros_(value_model.score.weight)
-        if value_model.score.bias is not None:
-            nn.init.zeros_(value_model.score.bias)
+    # with --use-peft the reference is the policy with its adapter off (`reference_adapter`): no second copy
+    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+    value_model = value_head = None
+    if args.shared_value_head:  # zero at the start, like the fresh head below
+        value_head = new_value_head(policy.get_output_embeddings().weight.size(1))
+    else:
+        value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+            value_model_path, num_labels=1, output_loading_info=True, **remote)
+        if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+            # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
+            # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
+            nn.init.zeros_(value_model.score.weight)
+            if value_model.score.bias is not None:
+                nn.init.zeros_(value_model.score.bias)
     reward_model = (AutoModelForSequenceClassification.from_pretrained(reward_model_path, num_labels=1, **remote)
                     if reward_model_path else None)
     for m in (policy, ref_policy, value_model, reward_model):
         if m is not None:
-            disable_dropout(m)
+            disable_dropout(m)  # before the adapter is added: --lora-dropout is the one dropout left
     for m in (ref_policy, reward_model):
         if m is not None:
             m.eval().requires_grad_(False).to(device)
     if args.num_trainable_layers is not None:
         for m in (policy, value_model):
-            freeze_bottom_layers(m, args.num_trainable_layers)
+            if m is not None:
+                freeze_bottom_layers(m, args.num_trainable_layers)
+    if args.use_peft:  # the checkpoint's adapters (frozen unless trained), then a fresh one unless it carried it
+        for name, path in sft_adapters.items():
+            if isinstance(policy, PeftModel):
+                policy.load_adapter(str(path), adapter_name=name, is_trainable=name == model_adapter_name)
+            else:
+                policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
+                                                   is_trainable=name == model_adapter_name)
+        if fresh_adapter is not None:
+            if isinstance(policy, PeftModel):
+                policy.add_adapter(model_adapter_name, fresh_adapter)
+            else:
+                policy = get_peft_model(policy, fresh_adapter, adapter_name=model_adapter_name)
+        policy.set_adapter(model_adapter_name)  # active and trainable; every other parameter is frozen
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing: it needs no input that requires grad (the reentrant kind would, with frozen
+        # embeddings or LoRA: peft's enable_input_require_grads). It takes effect only in train mode, which the PPO
+        # forwards run in; classic TRL ran them in eval mode, so its flag did nothing (classic-ppo.md section 8).
+        for m in (policy, value_model):
+            if m is not None:
+                unpeft(m).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
     # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards.
     num_frozen = {}
     if args.num_trainable_layers is not None:
         probe = left_pad(train_dataset[:2]["input_ids"], pad_token_id)
         for name, m in (("policy", policy), ("value", value_model)):
+            if m is None:
+                continue
             frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
+            # an adapter in a frozen block (one loaded from a checkpoint) would make the policy's trunk differ from
+            # the reference's: such a policy runs full forwards
+            if isinstance(m, PeftModel) and any(
+                    "lora_" in n for n, _ in transformer_blocks(m)[1][:max(frozen, 0)].named_parameters()):
+                continue
             if frozen > 0 and split_forward_is_exact(m, probe, pad_token_id, frozen):
                 num_frozen[name] = frozen
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
-    model = PolicyAndValueWrapper(policy, value_model)
+    model = PolicyAndValueWrapper(policy, value_model, value_head)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
@@ -1003,7 +1192,8 @@ def main(args: Args) -> None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
         print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model})
+                                                      "value model": value_model, "value head": value_head,
+                                                      "reward model": reward_model})
 
     def sample_table(title: str, update: int) -> None:
         """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
@@ -1085,6 +1275,10 @@ def main(args: Args) -> None:
             # 3. Scoring forwards: reference log-probs, values, scores
             # ====================================================================================================
             ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
+            # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
+            reference = ((lambda: reference_adapter(unwrapped.policy, args.ref_adapter_name, model_adapter_name))
+                         if args.use_peft else nullcontext)
+            ref_model = unwrapped.policy if ref_policy is None else ref_policy
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
                 # the reference shares the policy's frozen blocks: the same SFT weights, never trained
@@ -1093,15 +1287,21 @@ def main(args: Args) -> None:
                 value_trunk = policy_trunk if value_shares_trunk else (
                     (frozen_trunk(unwrapped.value_model, qr, pad_token_id, num_frozen["value"]), num_frozen["value"])
                     if "value" in num_frozen else None)
-                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length, policy_trunk),
-                                          args.temperature, pad_token_id)
+                with reference():
+                    ref_logits = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, policy_trunk),
+                                              args.temperature, pad_token_id)
                 ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+                if args.shared_value_head:  # one policy forward (adapter on) gives values and, for `full`, logits
+                    logits, chunk_values = policy_logits_and_values(unwrapped.policy, unwrapped.value_head, qr,
+                                                                    pad_token_id, context_length, policy_trunk)
+                else:
+                    logits = policy_logits(unwrapped.policy, qr, pad_token_id, context_length, policy_trunk) if (
+                        args.kl_estimator == "full") else None
+                    chunk_values = value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk)
                 if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
-                    full_kls.append(full_kl(scale_logits(policy_logits(unwrapped.policy, qr, pad_token_id,
-                                                                       context_length, policy_trunk),
-                                                         args.temperature, pad_token_id), ref_logits))
-                del ref_logits
-                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
+                    full_kls.append(full_kl(scale_logits(logits, args.temperature, pad_token_id), ref_logits))
+                del ref_logits, logits
+                values.append(chunk_values)
                 policy_trunks.append(policy_trunk[0] if policy_trunk else None)
                 value_trunks.append(value_trunk[0] if value_trunk else None)
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
@@ -1301,23 +1501,36 @@ def main(args: Args) -> None:
         sample_table("samples after training", sizes.num_updates + 1)
 
     # ============================================================================================================
-    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only)
+    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). With
+    # --use-peft the policy is its adapter(s), for PeftModel.from_pretrained; --merge-adapter adds the merged model.
+    # With --shared-value-head the value is value_head.safetensors (`load_value_head`).
     # ============================================================================================================
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
+        def sub_state(name):
+            return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
         # the tokenizer as given: the [PAD] added above is a training-time device, outside the model's vocabulary
-        AutoTokenizer.from_pretrained(sft_model_path, **remote).save_pretrained(output_dir)
-        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
-                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
-                                            if k.startswith(name + ".")})
+        tokenizer = AutoTokenizer.from_pretrained(sft_model_path, **remote)
+        tokenizer.save_pretrained(output_dir)
+        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
+        if args.merge_adapter:
+            unwrapped.policy.merge_and_unload().save_pretrained(output_dir / "merged")
+            tokenizer.save_pretrained(output_dir / "merged")
+        if args.shared_value_head:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in sub_state("value_head").items()}, output_dir / VALUE_HEAD_FILE)
+        else:
+            unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
         metrics_file.close()
         writer.close()
         if args.track:
             wandb.finish()
-        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+        value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
+        console.print(f"saved the policy{' adapter' if args.use_peft else ''} to {output_dir} and the value to {value_path}")
 
 
 if __name__ == "__main__":
