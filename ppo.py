@@ -1118,6 +1118,7 @@ def main(args: Args) -> None:
                 policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
                                                    is_trainable=name == model_adapter_name)
         if fresh_adapter is not None:
+            torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
             if isinstance(policy, PeftModel):
                 policy.add_adapter(model_adapter_name, fresh_adapter)
             else:
