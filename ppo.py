@@ -407,6 +407,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass (transformers' non-reentrant checkpointing).
+
+    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind would, with frozen embeddings or
+    LoRA), so the hook transformers adds to make the embeddings' output require grad is removed again: it would send
+    the backward pass through every frozen block. Checkpointing takes effect only in train mode, which the PPO forwards
+    run in; classic TRL ran them in eval mode, so its flag did nothing (trl#1066)."""
+    unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    unpeft(model).disable_input_require_grads()
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
     as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
@@ -1125,12 +1136,9 @@ def main(args: Args) -> None:
                 policy = get_peft_model(policy, fresh_adapter, adapter_name=model_adapter_name)
         policy.set_adapter(model_adapter_name)  # active and trainable; every other parameter is frozen
     if args.gradient_checkpointing:
-        # Non-reentrant checkpointing: it needs no input that requires grad (the reentrant kind would, with frozen
-        # embeddings or LoRA: peft's enable_input_require_grads). It takes effect only in train mode, which the PPO
-        # forwards run in; classic TRL ran them in eval mode, so its flag did nothing (classic-ppo.md section 8).
         for m in (policy, value_model):
             if m is not None:
-                unpeft(m).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                enable_gradient_checkpointing(m)
     # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
     # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards.
     num_frozen = {}

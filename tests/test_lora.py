@@ -78,7 +78,7 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
         head = ppo.new_value_head(32)
         torch.nn.init.normal_(head.weight)
         if checkpointing:
-            ppo.unpeft(policy).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            ppo.enable_gradient_checkpointing(policy)
         model = ppo.PolicyAndValueWrapper(policy, value_head=head).train()  # PPO's training forwards: train mode
         qr = ppo.left_pad(QR, PAD)
         trunk = (ppo.frozen_trunk(policy, qr, PAD, 1).detach(), 1) if split else None
@@ -94,6 +94,7 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
     assert results[False][0] == 1 and results[True][0] == 2  # the top block ran again in the backward pass
     torch.testing.assert_close(results[True][1], results[False][1], rtol=0, atol=0)
     assert results[True][2].keys() == results[False][2].keys()
+    assert all(".lora_" in n or n.startswith("value_head.") for n in results[False][2])  # adapter and head only
     for name, grad in results[False][2].items():
         torch.testing.assert_close(results[True][2][name], grad, rtol=1e-6, atol=1e-7)
 
