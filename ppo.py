@@ -1209,6 +1209,7 @@ def main(args: Args) -> None:
         Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
         if args.eval_samples == 0:
             return
+        model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
         unwrapped = accelerator.unwrap_model(model)
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():

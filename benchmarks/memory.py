@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LORA = ["--use-peft", "--lora-target-modules", "all-linear", "--learning-rate", "2e-4"]
 SETUPS = {
     "policy + reference + value model (default)": [],
+    "the same, all weights trained (--num-trainable-layers None)": ["--num-trainable-layers", "None"],
     "--use-peft": LORA,
     "--use-peft --shared-value-head": LORA + ["--shared-value-head"],
     "--use-peft --shared-value-head --gradient-checkpointing": LORA + ["--shared-value-head",
@@ -48,20 +49,27 @@ def measure(flags: list[str], updates: int, out: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=2, help="PPO updates per setup (16 episodes each)")
+    parser.add_argument("--only", type=int, nargs="+", help="run only these setups (0-based, in table order)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--table", type=Path, nargs="+", help="print the table from these --json files, run nothing")
     args = parser.parse_args()
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, flags) in enumerate(SETUPS.items()):
-            results[name] = measure(flags, args.updates, Path(tmp) / f"setup{i}")
-            print(name, results[name], flush=True)
-    full = results[next(iter(SETUPS))]["peak_rss_gib"]
-    print("\n| setup | peak RSS (GiB) | vs default | s / update |\n|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| `{name}` | {r['peak_rss_gib']:.2f} | {r['peak_rss_gib'] / full:.0%} | "
-              f"{r['seconds_per_update']:.0f} |")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    if args.table:
+        for path in args.table:
+            results.update(json.loads(path.read_text()))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, (name, flags) in enumerate(SETUPS.items()):
+                if args.only is None or i in args.only:
+                    results[name] = measure(flags, args.updates, Path(tmp) / f"setup{i}")
+                    print(name, results[name], flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    print("\n| setup | peak RSS (GiB) | s / update |\n|---|---|---|")
+    for name in SETUPS:  # table order
+        if name in results:
+            r = results[name]
+            print(f"| `{name}` | {r['peak_rss_gib']:.2f} | {r['seconds_per_update']:.0f} |")
 
 
 if __name__ == "__main__":
