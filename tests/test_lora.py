@@ -242,3 +242,11 @@ def test_a_peft_checkpoint_needs_use_peft(llama, assets, tmp_path):
     with pytest.raises(ValueError, match="add --use-peft"):
         ppo.main(ppo.Args(sft_model_path=str(tmp_path), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
                           dataset_train_split="train", output_dir=str(tmp_path / "run")))
+
+
+def test_full_kl_with_the_shared_head_is_zero_before_training(assets, tmp_path):
+    """`full` takes the policy's logits from the forward that gives the shared head's values; the reference (adapter
+    off) equals the policy while lora_B is 0, so the exact KL is 0."""
+    _, rows = run_ppo(tiny_args(assets, "--use-peft", "--shared-value-head", "--kl-estimator", "full",
+                                "--total-episodes", "16"), tmp_path / "run")
+    assert abs(rows[0]["objective/kl"]) < 1e-5
