@@ -1098,7 +1098,12 @@ def main(args: Args) -> None:
     # with --use-peft the reference is the policy with its adapter off (`reference_adapter`): no second copy
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
     value_model = value_head = None
-    if args.shared_value_head:  # zero at the start, like the fresh head below
+    if args.shared_value_head:
+        # On the policy's own trunk and adapter, as classic TRL's AutoModelForCausalLMWithValueHead: one backbone
+        # forward gives logits and values. A value adapter of its own on the same frozen base would keep the value
+        # loss out of the policy's adapter, but costs a second pass through the trained blocks in every training
+        # forward, like the separate value model does (README's memory table: `--use-peft` against
+        # `--use-peft --shared-value-head`). Zero at the start, like the fresh head below.
         value_head = new_value_head(policy.get_output_embeddings().weight.size(1))
     else:
         value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
