@@ -4,7 +4,9 @@ Each setup runs ppo.py in its own subprocess; its peak resident memory is the ch
 rusage of that child alone), and its seconds per update the mean over updates of the run's own time/generation +
 time/scoring + time/training (start-up and model loading excluded). Prints a Markdown table for the README.
 
-    HF_HUB_OFFLINE=1 WANDB_MODE=disabled python benchmarks/memory.py --updates 1
+    HF_HUB_OFFLINE=1 WANDB_MODE=disabled python benchmarks/memory.py --updates 1 --json runs/memory.json
+    python benchmarks/memory.py --only 4 --json runs/lightest.json   # one setup; setups can run side by side
+    python benchmarks/memory.py --table runs/memory.json runs/lightest.json   # one table from several runs
 """
 import argparse
 import json
