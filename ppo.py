@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from peft import LoraConfig, PeftModel, get_peft_model
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -31,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 DEFAULT_PROMPTS = "cache/movie_review_chat_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
 
 
 @dataclass
@@ -142,6 +144,30 @@ class Args:
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
+
+    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Training in the memory of one model")
+    use_peft: bool = False
+    """train a LoRA adapter (peft) instead of the policy's weights; the reference is the same model with the adapter
+    off, so no reference model is loaded"""
+    lora_r: int = 16
+    """the LoRA rank"""
+    lora_alpha: int = 32
+    """the LoRA scaling numerator (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input in training forwards; above 0 the training forward no longer matches the rollout's"""
+    lora_target_modules: list[str] | None = None
+    """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
+    model_adapter_name: str | None = None
+    """the adapter to train: one the --sft-model-path peft checkpoint carries, else a fresh one (None: `default`)"""
+    ref_adapter_name: str | None = None
+    """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the adapter-free base)"""
+    merge_adapter: bool = False
+    """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
+    shared_value_head: bool = False
+    """the value is a linear head on the policy's final hidden state: no value model is loaded (classic TRL's
+    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter"""
+    gradient_checkpointing: bool = False
+    """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
     num_sample_generations: int = 10
@@ -476,6 +502,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass (transformers' non-reentrant checkpointing).
+
+    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind would, with frozen embeddings or
+    LoRA), so the hook transformers adds to make the embeddings' output require grad is removed again: it would send
+    the backward pass through every frozen block. Checkpointing takes effect only in train mode, which the PPO forwards
+    run in; classic TRL ran them in eval mode, so its flag did nothing (trl#1066)."""
+    unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    unpeft(model).disable_input_require_grads()
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
     as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
@@ -497,9 +534,15 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
+def unpeft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel, or the model itself. peft injects its LoRA layers into that
+    model in place, so a forward through it uses whichever adapter is active."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
 def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The attribute name and the list of transformer blocks of a transformers model's backbone."""
-    for name, child in model.base_model.named_children():
+    for name, child in unpeft(model).base_model.named_children():
         if isinstance(child, nn.ModuleList):
             return name, child
     raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
@@ -509,11 +552,12 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
     """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed."""
     name, blocks = transformer_blocks(model)
-    setattr(model.base_model, name, blocks[start:stop])
+    backbone = unpeft(model).base_model
+    setattr(backbone, name, blocks[start:stop])
     try:
         yield
     finally:
-        setattr(model.base_model, name, blocks)
+        setattr(backbone, name, blocks)
 
 
 def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
@@ -527,7 +571,7 @@ def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch
         lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
     try:
         with blocks_only(model, 0, num_frozen):
-            model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+            unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
     finally:
         hook.remove()
     return outputs[0]
@@ -581,7 +625,7 @@ def fused_head_is_exact(policy, probe: torch.Tensor, pad_token_id: int, temperat
     """Whether the fused path reproduces the model's own logits on a probe batch (a model whose head scales, caps or
     biases its logits keeps the unfused path)."""
     head = policy.get_output_embeddings()
-    if getattr(head, "weight", None) is None or getattr(head, "bias", None) is not None:
+    if type(head) is not nn.Linear or head.bias is not None:  # e.g. a LoRA-wrapped head: its weight is not all of it
         return False
     ids = probe[:, 1:].masked_fill(probe[:, 1:] == pad_token_id, 0)
     with torch.no_grad():
@@ -594,13 +638,109 @@ def scalar_outputs(scalar_model, query_responses, pad_token_id, trunk=None):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
     inputs, blocks = backbone_inputs(scalar_model, query_responses, pad_token_id, trunk)
     with blocks:
-        return scalar_model.base_model(**inputs, use_cache=False).last_hidden_state
+        return unpeft(scalar_model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None):
     """values[:, t] is read at the hidden state just before response token t."""
     hidden = scalar_outputs(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float()
+
+
+def policy_logprobs_and_values(policy, value_head, query_responses, pad_token_id, context_length, response_ids,
+                               temperature, trunk=None, fused=True):
+    """--shared-value-head: one policy forward gives the log-probs and entropies (as `response_logprobs`) and the
+    values: the head applied to the backbone's final hidden state (the LM head's input) at the positions
+    `value_forward` reads."""
+    captured = []
+    hook = unpeft(policy).base_model.register_forward_hook(
+        lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        logprobs, entropy = response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids,
+                                              temperature, trunk, with_entropy=True, fused=fused)
+    finally:
+        hook.remove()
+    return logprobs, entropy, value_head(captured[0][:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+def shared_head_values(policy, value_head, query_responses, pad_token_id, context_length, trunk=None):
+    """--shared-value-head values alone (rollout): the backbone without the LM head."""
+    hidden = scalar_outputs(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+    return value_head(hidden).squeeze(-1).float()
+
+
+def new_value_head(hidden_size: int) -> nn.Linear:
+    """A value head for --shared-value-head, zero at the start like the separate model's fresh head."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def load_value_head(path: str | Path) -> nn.Linear:
+    """The value head a --shared-value-head run saved ({output_dir}/value_head.safetensors, keys `weight` (1, hidden)
+    and `bias` (1,)). Values: head(final hidden state of the saved policy), as `shared_head_values`."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
+    head.load_state_dict(state)
+    return head
+
+
+@contextmanager
+def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
+    """Inside: the reference, the same weights with the adapter off, or with the named reference adapter active.
+
+    Rollout and training run outside it, always with the trained adapter on. Classic TRL generated its "reference"
+    responses with the adapter still on: it called disable_adapter() without `with`, which does nothing."""
+    if ref_adapter_name is None:
+        with policy.disable_adapter():
+            yield
+        return
+    policy.set_adapter(ref_adapter_name, inference_mode=True)  # inference_mode: the reference adapter stays frozen
+    try:
+        yield
+    finally:
+        policy.set_adapter(model_adapter_name)
+
+
+def checkpoint_adapters(path: str) -> dict[str, Path]:
+    """The adapters a peft checkpoint directory carries, by name: `default` at its root and every other adapter in
+    a subdirectory of its name (the layout of PeftModel.save_pretrained). Empty for a plain model."""
+    root = Path(path)
+    if not root.is_dir():
+        return {}
+    found = {"default": root} if (root / "adapter_config.json").is_file() else {}
+    found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
+    return found
+
+
+def lora_config(args, model_config, num_blocks: int, trust_remote_code: bool = False) -> LoraConfig:
+    """The fresh adapter of --use-peft, on the top --num-trainable-layers blocks only: the frozen bottom blocks carry
+    no adapter, so their output is the same with the adapter on or off and the frozen-trunk cache still serves policy
+    and reference. `all-linear` is expanded to the blocks' linear layers (peft's own `all-linear` cannot be combined
+    with a layer range)."""
+    targets = args.lora_target_modules
+    if targets == ["all-linear"]:
+        with torch.device("meta"):
+            blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
+                                                                         trust_remote_code=trust_remote_code))[1]
+        targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
+    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers, num_blocks))
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
+
+
+def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
+    """Apply the adapter to an empty (meta-device) copy of the model: unknown target modules fail here, before any
+    weights are loaded."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        try:
+            get_peft_model(skeleton, config)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
@@ -629,16 +769,22 @@ def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length:
 
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+    TRL once built the optimizer on the policy only and the critic never trained (trl#2463). With --shared-value-head
+    the value is `value_head` on the policy's final hidden state: one backbone forward gives logits and values."""
 
-    def __init__(self, policy, value_model):
+    def __init__(self, policy, value_model=None, value_head=None):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+        self.value_head = value_head
 
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
                 policy_trunk=None, value_trunk=None):
-        """(log-probs, entropies, values) of the responses (see `response_logprobs`)."""
+        """(log-probs, entropies, values) of the responses (see `response_logprobs`); with the shared value head, one
+        backbone forward gives all three."""
+        if self.value_head is not None:
+            return policy_logprobs_and_values(self.policy, self.value_head, query_responses, pad_token_id,
+                                              context_length, response_ids, temperature, policy_trunk, fused)
         logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length, response_ids,
                                               temperature, policy_trunk, with_entropy=True, fused=fused)
         return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
@@ -1129,6 +1275,19 @@ def main(args: Args) -> None:
     if len(weights) != len(names):
         raise ValueError(f"--reward-weights: {len(weights)} weight(s) for {len(names)} reward(s) {names} (reward "
                          "models first, then functions, in the order given)")
+    if not args.use_peft:
+        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
+        if args.merge_adapter:
+            raise ValueError("--merge-adapter needs --use-peft")
+    if args.lora_r < 1 or not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-r must be >= 1 and --lora-dropout in [0, 1), got {args.lora_r}, {args.lora_dropout}")
+    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.shared_value_head and args.value_model_path is not None:
+        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
+                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
     if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
     for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
@@ -1166,16 +1325,32 @@ def main(args: Args) -> None:
     remote = dict(trust_remote_code=args.trust_remote_code)
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
+        # a peft checkpoint as SFT model: its adapters go on the base model it names
+        sft_adapters = checkpoint_adapters(sft_model_path)
+        if sft_adapters:
+            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
+            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
         reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
         value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
+    if sft_adapters and not args.use_peft:
+        raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
+                         f"{sorted(sft_adapters)}): add --use-peft to train with it")
+    model_adapter_name = args.model_adapter_name or "default"
+    if args.ref_adapter_name is not None and args.ref_adapter_name not in sft_adapters:
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: --sft-model-path {args.sft_model_path} carries "
+                         f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
     for path in reward_model_paths:
         check_scalar_model(path, "--reward-model-path", require_head=True, **remote)
     model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
     if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
                          f"{model_config.num_hidden_layers} transformer blocks")
+    fresh_adapter = None
+    if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
+        fresh_adapter = lora_config(args, model_config, model_config.num_hidden_layers, args.trust_remote_code)
+        check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
@@ -1258,32 +1433,66 @@ def main(args: Args) -> None:
     for rm_tokenizer in filter(None, reward_tokenizers):
         reward_model_texts(tokenizer, rm_tokenizer, probe_rows[args.dataset_prompt_column], probe_queries,
                            probe_queries, chat)
-    value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
-                                                    sft_model_path)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    if args.shared_value_head:
+        value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
+    else:
+        value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
+                                                        sft_model_path)
+        check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
     # ============================================================================================================
     # 1. Models: policy, frozen reference, value (see `value_model_init`), reward models
     # ============================================================================================================
     policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
-    ref_policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
-    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **remote)
-    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
-        # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
-        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
-            for p in value_model.score.parameters():
-                nn.init.zeros_(p)
+    # with --use-peft the reference is the policy with its adapter off (`reference_adapter`): no second copy
+    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+    value_model = value_head = None
+    if args.shared_value_head:
+        # On the policy's own trunk and adapter, as classic TRL's AutoModelForCausalLMWithValueHead: one backbone
+        # forward gives log-probs and values. A value adapter of its own on the same frozen base would keep the value
+        # loss out of the policy's adapter, but costs a second pass through the trained blocks in every training
+        # forward, like the separate value model does (README's memory table: `--use-peft` against
+        # `--use-peft --shared-value-head`). Zero at the start, like the fresh head below.
+        value_head = new_value_head(policy.get_output_embeddings().weight.size(1))
+    else:
+        value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+            value_model_path, num_labels=1, output_loading_info=True, **remote)
+        if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+            # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
+            # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
+            with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+                for p in value_model.score.parameters():
+                    nn.init.zeros_(p)
     reward_models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **remote)
                      for p in reward_model_paths]
-    for m in (policy, ref_policy, value_model, *reward_models):
-        disable_dropout(m)
-    for m in (ref_policy, *reward_models):
+    frozen_models = [m for m in (ref_policy, *reward_models) if m is not None]
+    for m in (policy, value_model, *frozen_models):
+        if m is not None:
+            disable_dropout(m)  # before the adapter is added: --lora-dropout is the one dropout left
+    for m in frozen_models:
         m.eval().requires_grad_(False).to(device)
     if args.num_trainable_layers is not None:
         for m in (policy, value_model):
-            freeze_bottom_layers(m, args.num_trainable_layers)
+            if m is not None:
+                freeze_bottom_layers(m, args.num_trainable_layers)
+    if args.use_peft:  # the checkpoint's adapters (frozen unless trained), then a fresh one unless it carried it
+        for name, path in sft_adapters.items():
+            if isinstance(policy, PeftModel):
+                policy.load_adapter(str(path), adapter_name=name, is_trainable=name == model_adapter_name)
+            else:
+                policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
+                                                   is_trainable=name == model_adapter_name)
+        if fresh_adapter is not None:
+            torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
+            if isinstance(policy, PeftModel):
+                policy.add_adapter(model_adapter_name, fresh_adapter)
+            else:
+                policy = get_peft_model(policy, fresh_adapter, adapter_name=model_adapter_name)
+        policy.set_adapter(model_adapter_name)  # active and trainable; every other parameter is frozen
+    if args.gradient_checkpointing:
+        for m in (policy, value_model):
+            if m is not None:
+                enable_gradient_checkpointing(m)
     # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
     # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards, and
     # so does ZeRO-3, whose sharded weights exist whole only inside DeepSpeed's own forward hooks.
@@ -1291,7 +1500,14 @@ def main(args: Args) -> None:
     if args.num_trainable_layers is not None and not zero3:
         probe = left_pad(train_dataset[:2]["input_ids"], pad_token_id)
         for name, m in (("policy", policy), ("value", value_model)):
+            if m is None:
+                continue
             frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
+            # an adapter in a frozen block (one loaded from a checkpoint) would make the policy's trunk differ from
+            # the reference's: such a policy runs full forwards
+            if isinstance(m, PeftModel) and any(
+                    "lora_" in n for n, _ in transformer_blocks(m)[1][:max(frozen, 0)].named_parameters()):
+                continue
             if frozen > 0 and split_forward_is_exact(m, probe, pad_token_id, frozen):
                 num_frozen[name] = frozen
     # log-probs straight from the hidden states, without (batch, length, vocab) logits, where that is exact; not under
@@ -1300,7 +1516,7 @@ def main(args: Args) -> None:
                                                    pad_token_id, args.temperature)
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
-    model = PolicyAndValueWrapper(policy, value_model)
+    model = PolicyAndValueWrapper(policy, value_model, value_head)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
@@ -1308,11 +1524,11 @@ def main(args: Args) -> None:
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
     if zero3:  # the frozen models sharded too, in the trained models' precision
-        for m in (ref_policy, *reward_models):
+        for m in frozen_models:
             shard_frozen(m, accelerator.deepspeed_config)
     elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
-        for m in (ref_policy, *reward_models):
+        for m in frozen_models:
             m.to(dtype)
     # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
@@ -1352,7 +1568,7 @@ def main(args: Args) -> None:
         reward_lines = [f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
             names, weights, how + [f"function {spec}" for spec in fn_specs])]
         print_banner(console, run_name, args, sizes, {
-            "policy": policy, "reference": ref_policy, "value model": value_model,
+            "policy": policy, "reference": ref_policy, "value model": value_model, "value head": value_head,
             **{f"reward model {n}": m for n, m in zip(names, reward_models)}},
             ds_plugin.zero_stage if ds_plugin is not None else 0,
             [f"prompts: {'chat template' if chat else 'text'}; stop token id {stop_token_id}", *reward_lines,
@@ -1363,6 +1579,7 @@ def main(args: Args) -> None:
         Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
         if args.eval_samples == 0:
             return
+        model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
             with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
@@ -1457,6 +1674,10 @@ def main(args: Args) -> None:
             # 3. Scoring forwards: reference log-probs, values, scores
             # ====================================================================================================
             ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
+            # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
+            reference = ((lambda: reference_adapter(unwrapped.policy, args.ref_adapter_name, model_adapter_name))
+                         if args.use_peft else nullcontext)
+            ref_model = unwrapped.policy if ref_policy is None else ref_policy
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
                 # the reference shares the policy's frozen blocks: the same SFT weights, never trained
@@ -1465,19 +1686,25 @@ def main(args: Args) -> None:
                 value_trunk = policy_trunk if value_shares_trunk else (
                     (frozen_trunk(unwrapped.value_model, qr, pad_token_id, num_frozen["value"]), num_frozen["value"])
                     if "value" in num_frozen else None)
-                if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
-                    ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length,
-                                                            policy_trunk), args.temperature, pad_token_id)
-                    ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+                with reference():  # its own model, or the policy with its adapter off
+                    if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
+                        ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
+                                                             policy_trunk), args.temperature, pad_token_id)
+                    else:
+                        ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length,
+                                                    response_ids[i:i + chunk], args.temperature, policy_trunk,
+                                                    fused=fused_head)[0]
+                if args.kl_estimator == "full":
+                    ref_logprobs.append(logprobs_from_logits(ref_out, response_ids[i:i + chunk]))
                     full_kls.append(full_kl(scale_logits(policy_logits(unwrapped.policy, qr, pad_token_id,
                                                                        context_length, policy_trunk),
-                                                         args.temperature, pad_token_id), ref_logits))
-                    del ref_logits
+                                                         args.temperature, pad_token_id), ref_out))
                 else:
-                    ref_logprobs.append(response_logprobs(ref_policy, qr, pad_token_id, context_length,
-                                                          response_ids[i:i + chunk], args.temperature, policy_trunk,
-                                                          fused=fused_head)[0])
-                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
+                    ref_logprobs.append(ref_out)
+                del ref_out
+                values.append(shared_head_values(unwrapped.policy, unwrapped.value_head, qr, pad_token_id,
+                                                 context_length, policy_trunk) if args.shared_value_head else
+                              value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
                 policy_trunks.append(policy_trunk[0] if policy_trunk else None)
                 value_trunks.append(value_trunk[0] if value_trunk else None)
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
@@ -1683,23 +1910,36 @@ def main(args: Args) -> None:
         sample_table("samples after training", sizes.num_updates + 1)
 
     # ============================================================================================================
-    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only)
+    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). With
+    # --use-peft the policy is its adapter(s), for PeftModel.from_pretrained; --merge-adapter adds the merged model.
+    # With --shared-value-head the value is value_head.safetensors (`load_value_head`).
     # ============================================================================================================
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
+        def sub_state(name):
+            return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
         # the tokenizer as given: the [PAD] added above is a training-time device, outside the model's vocabulary
-        AutoTokenizer.from_pretrained(sft_model_path, **remote).save_pretrained(output_dir)
-        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
-                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
-                                            if k.startswith(name + ".")})
+        tokenizer = AutoTokenizer.from_pretrained(sft_model_path, **remote)
+        tokenizer.save_pretrained(output_dir)
+        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
+        if args.merge_adapter:
+            unwrapped.policy.merge_and_unload().save_pretrained(output_dir / "merged")
+            tokenizer.save_pretrained(output_dir / "merged")
+        if args.shared_value_head:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in sub_state("value_head").items()}, output_dir / VALUE_HEAD_FILE)
+        else:
+            unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
         metrics_file.close()
         writer.close()
         if args.track:
             wandb.finish()
-        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+        value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
+        console.print(f"saved the policy{' adapter' if args.use_peft else ''} to {output_dir} and the value to {value_path}")
 
 
 if __name__ == "__main__":

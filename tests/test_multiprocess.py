@@ -46,6 +46,20 @@ def test_two_process_resume_is_exact(two_process_run, tmp_path):
     assert without_wall_clock(rows) == without_wall_clock(again)
 
 
+def test_two_process_lora_run_saves_one_adapter(assets, tmp_path):
+    """LoRA and the shared value head under data parallelism: the processes train one adapter (ppo.py checks after
+    every update that both hold the same weights), and only the main process saves it."""
+    from peft import PeftModel
+
+    args = ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
+            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", "--use-peft",
+            "--shared-value-head", "--num-trainable-layers", "1"]
+    proc, rows = launch(args, tmp_path / "run")
+    assert len(rows) == 1 and proc.stdout.count("saved the policy adapter") == 1
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["sft"]), tmp_path / "run")
+    assert (tmp_path / "run" / "value_head.safetensors").is_file()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, 2 CPU processes): the same run as plain data parallelism
 # ---------------------------------------------------------------------------------------------------------------
