@@ -86,8 +86,9 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
         # count runs of the top block's MLP forward itself: module hooks do not fire in the recomputation
         mlp = ppo.transformer_blocks(policy)[1][1].mlp
         mlp.forward = lambda *a, forward=mlp.forward, **k: (calls.append(1), forward(*a, **k))[1]
-        logits, values = model(qr, PAD, 2, trunk)
-        loss = logits.float().logsumexp(-1).mean() + values.square().mean()
+        ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
+        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, True, trunk)  # the fused head, as in training
+        loss = logprobs.mean() + values.square().mean()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[checkpointing] = len(calls), loss.detach(), grads
@@ -101,14 +102,19 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
 
 def test_shared_value_head_reads_the_final_hidden_state_before_each_response_token(llama):
     """Values from the policy's final hidden state at the positions the separate value model reads
-    (context_length - 1 .. -2), checked against a plain transformers forward one row at a time."""
+    (context_length - 1 .. -2), checked against a plain transformers forward one row at a time; the training forward
+    gives the same values with the policy's log-probs."""
     policy = AutoModelForCausalLM.from_pretrained(llama["sft"]).eval()
     head = ppo.new_value_head(32)
     torch.nn.init.normal_(head.weight)
     qr = ppo.left_pad(QR, PAD)
+    ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
     with torch.no_grad():
-        logits, values = ppo.policy_logits_and_values(policy, head, qr, PAD, 2)
-        torch.testing.assert_close(logits, ppo.policy_logits(policy, qr, PAD, 2), rtol=0, atol=0)
+        values = ppo.shared_head_values(policy, head, qr, PAD, 2)
+        *with_logprobs, values_too = ppo.policy_logprobs_and_values(policy, head, qr, PAD, 2, ids, 0.7)
+        torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
+        for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
         for row, tokens in enumerate(QR):
             hidden = policy.model(torch.tensor([tokens])).last_hidden_state[0]
             real = len(tokens) - 2  # response tokens of this row; left padding shifts them right
@@ -177,7 +183,7 @@ def test_saved_adapter_and_value_head_reload(shared_head_run, llama):
     with torch.no_grad():
         reloaded, from_merged = logprobs(policy, qr), logprobs(merged, qr)
         base = logprobs(AutoModelForCausalLM.from_pretrained(llama["sft"]).eval(), qr)
-        _, values = ppo.policy_logits_and_values(policy, head, qr, PAD, 2)
+        values = ppo.shared_head_values(policy, head, qr, PAD, 2)
     torch.testing.assert_close(from_merged, reloaded, rtol=1e-5, atol=1e-5)
     assert (reloaded - base).abs().max() > 1e-4 and values.abs().max() > 0
 
