@@ -1517,9 +1517,11 @@ def main(args: Args) -> None:
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
     model = PolicyAndValueWrapper(policy, value_model, value_head)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default). The fused kernel does the
+    # same arithmetic in one pass over the weights: on 2 CPU cores its step over 19M weights took 17 ms, the default
+    # multi-tensor one 71 ms.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0)
+                                  eps=1e-5, weight_decay=0.0, fused=True)
 
     eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     model, optimizer = accelerator.prepare(model, optimizer)
