@@ -716,7 +716,7 @@ def checkpoint_adapters(path: str) -> dict[str, Path]:
     return found
 
 
-def lora_config(args, model_config, num_blocks: int, trust_remote_code: bool = False) -> LoraConfig:
+def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
     """The fresh adapter of --use-peft, on the top --num-trainable-layers blocks only: the frozen bottom blocks carry
     no adapter, so their output is the same with the adapter on or off and the frozen-trunk cache still serves policy
     and reference. `all-linear` is expanded to the blocks' linear layers (peft's own `all-linear` cannot be combined
@@ -727,7 +727,9 @@ def lora_config(args, model_config, num_blocks: int, trust_remote_code: bool = F
             blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
                                                                          trust_remote_code=trust_remote_code))[1]
         targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
-    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers, num_blocks))
+    num_blocks = model_config.num_hidden_layers
+    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
+                                                                    num_blocks))
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
                       layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
 
@@ -1349,7 +1351,7 @@ def main(args: Args) -> None:
                          f"{model_config.num_hidden_layers} transformer blocks")
     fresh_adapter = None
     if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
-        fresh_adapter = lora_config(args, model_config, model_config.num_hidden_layers, args.trust_remote_code)
+        fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
         check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
     time_int = int(time.time())
@@ -1584,8 +1586,9 @@ def main(args: Args) -> None:
         model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
-            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
-                responses, _ = generate(policy, eval_queries, pad_token_id, args.response_length, args.temperature,
+            gather = args.ds3_gather_for_generation
+            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
+                responses, _ = generate(sampler, eval_queries, pad_token_id, args.response_length, args.temperature,
                                         stop_token_id, generator, synced)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
@@ -1654,8 +1657,9 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
             # ====================================================================================================
-            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
-                generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length,
+            gather = args.ds3_gather_for_generation
+            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
+                generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
                                       args.temperature, stop_token_id, synced=synced)
                              for i in range(0, queries.size(0), chunk)]
             unwrapped = accelerator.unwrap_model(model)

@@ -924,8 +924,9 @@ def main(args: Args) -> None:
         rank runs it on its share of the posts. Its own generator keeps it from shifting the training RNG."""
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
-            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
-                responses = pad_right([generate(policy, eval_queries[i:i + chunk], pad_token_id, args.response_length,
+            gather = args.ds3_gather_for_generation
+            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
+                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
                                                 EVAL_TEMPERATURE, stop_token_id, generator, synced)[0]
                                        for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
             if stop_token_id is not None:
@@ -974,8 +975,9 @@ def main(args: Args) -> None:
             # ====================================================================================================
             # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
             # ====================================================================================================
-            with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
-                generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length,
+            gather = args.ds3_gather_for_generation
+            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
+                generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
                                       args.temperature, stop_token_id, synced=synced)
                              for i in range(0, queries.size(0), chunk)]
             unwrapped = accelerator.unwrap_model(model)
