@@ -1947,6 +1947,11 @@ def main(args: Args) -> None:
         value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
         console.print(f"saved the policy{' adapter' if args.use_peft else ''} to {output_dir} and the value to {value_path}")
 
+    # Every process leaves together and takes its process group down with it: a process that exits while
+    # gloo/NCCL threads still run can abort ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

@@ -1164,6 +1164,11 @@ def main(args: Args) -> None:
             wandb.finish()
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
+    # Every process leaves together and takes its process group down with it: a process that exits while
+    # gloo/NCCL threads still run can abort ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

@@ -154,7 +154,8 @@ def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_fl
            *(launch_flags or (["--mixed_precision", "no"] if deepspeed else [])),
            *([str(ROOT / "tests" / "deepspeed_on_cpu.py")] if deepspeed else []),
            str(ROOT / script), *args, "--output-dir", str(output_dir)]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    # DeepSpeed's every collective warns that torch renamed it: silenced, so a failure's tail shows its traceback
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
     if not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
