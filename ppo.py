@@ -891,6 +891,13 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def keep_rows_before(path: Path, start_update: int) -> None:
+    """Rewrite a jsonl log keeping only the rows of updates before `start_update`: a resumed run redoes the updates
+    logged after its checkpoint, and a fresh run (start_update 1) starts with an empty log."""
+    rows = path.read_text().splitlines() if path.exists() else []
+    write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
+
+
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
     """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
     renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
@@ -1547,16 +1554,15 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
 
-    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint); wandb with --track
+    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint, as does
+    # samples.jsonl); wandb with --track
     metrics_file = writer = None
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-        metrics_path = output_dir / "metrics.jsonl"
-        kept = [line for line in (metrics_path.read_text().splitlines() if checkpoint and metrics_path.exists()
-                                  else []) if json.loads(line)["update"] < start_update]
-        write_atomic(metrics_path, "".join(line + "\n" for line in kept))
-        metrics_file = open(metrics_path, "a")
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            keep_rows_before(output_dir / log, start_update)
+        metrics_file = open(output_dir / "metrics.jsonl", "a")
         if args.track:
             import wandb
 
