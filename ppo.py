@@ -734,6 +734,23 @@ def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConf
                       layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
 
 
+@contextmanager
+def plain_construction(ds_plugin):
+    """Under ZeRO-3, transformers builds every model inside DeepSpeed's zero.Init and then initialises its weights,
+    which fails on a meta-device skeleton (there is no data to copy). This builds without it, then restores the
+    setting. (accelerate's zero3_init_context_manager(enable=False) leaves transformers' ZeRO-3 flag on.)"""
+    if ds_plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        ds_plugin.set_deepspeed_weakref()
+
+
 def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
     """Apply the adapter to an empty (meta-device) copy of the model: unknown target modules fail here, before any
     weights are loaded."""
@@ -894,8 +911,9 @@ def write_atomic(path: Path, text: str) -> None:
 def keep_rows_before(path: Path, start_update: int) -> None:
     """Rewrite a jsonl log keeping only the rows of updates before `start_update`: a resumed run redoes the updates
     logged after its checkpoint, and a fresh run (start_update 1) starts with an empty log."""
-    rows = path.read_text().splitlines() if path.exists() else []
-    write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
+    if path.exists():
+        rows = path.read_text().splitlines()
+        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
@@ -1358,8 +1376,9 @@ def main(args: Args) -> None:
                          f"{model_config.num_hidden_layers} transformer blocks")
     fresh_adapter = None
     if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
-        fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
-        check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
+        with plain_construction(ds_plugin if zero3 else None):  # both build meta-device skeletons
+            fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
+            check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
@@ -1462,7 +1481,7 @@ def main(args: Args) -> None:
         # loss out of the policy's adapter, but costs a second pass through the trained blocks in every training
         # forward, like the separate value model does (README's memory table: `--use-peft` against
         # `--use-peft --shared-value-head`). Zero at the start, like the fresh head below.
-        value_head = new_value_head(policy.get_output_embeddings().weight.size(1))
+        value_head = new_value_head(policy.get_output_embeddings().in_features)  # (its weight: a shard under ZeRO-3)
     else:
         value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
             value_model_path, num_labels=1, output_loading_info=True, **remote)
@@ -1938,7 +1957,12 @@ def main(args: Args) -> None:
         tokenizer.save_pretrained(output_dir)
         unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
         if args.merge_adapter:
-            unwrapped.policy.merge_and_unload().save_pretrained(output_dir / "merged")
+            # merged from the adapter just saved onto a fresh copy of the base: under ZeRO-3 the live policy's weights
+            # are shards on this process, and merging them would write empty tensors
+            with plain_construction(ds_plugin if zero3 else None):
+                base = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+            adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
+            PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
             tokenizer.save_pretrained(output_dir / "merged")
         if args.shared_value_head:
             from safetensors.torch import save_file

@@ -46,18 +46,48 @@ def test_two_process_resume_is_exact(two_process_run, tmp_path):
     assert without_wall_clock(rows) == without_wall_clock(again)
 
 
-def test_two_process_lora_run_saves_one_adapter(assets, tmp_path):
-    """LoRA and the shared value head under data parallelism: the processes train one adapter (ppo.py checks after
-    every update that both hold the same weights), and only the main process saves it."""
-    from peft import PeftModel
-
+@pytest.fixture(scope="module")
+def lora_ddp_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_ddp") / "run"
     args = ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", "--use-peft",
-            "--shared-value-head", "--num-trainable-layers", "1"]
-    proc, rows = launch(args, tmp_path / "run")
+            "--shared-value-head", "--num-trainable-layers", "1", "--merge-adapter"]
+    return args, out, *launch(args, out)
+
+
+def lora_trained(assets, run_dir):
+    """The saved adapter on a fresh copy of the SFT model, merged, and the saved value head; checks that the saved
+    merged model (--merge-adapter) is that same model."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["sft"]), run_dir).merge_and_unload()
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "merged").state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in merged.state_dict().items())
+    return merged.state_dict(), load_file(run_dir / "value_head.safetensors")
+
+
+def test_two_process_lora_run_saves_one_adapter(assets, lora_ddp_run):
+    """LoRA and the shared value head under data parallelism: the processes train one adapter (ppo.py checks after
+    every update that both hold the same weights), and only the main process saves it."""
+    _, out, proc, rows = lora_ddp_run
     assert len(rows) == 1 and proc.stdout.count("saved the policy adapter") == 1
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["sft"]), tmp_path / "run")
-    assert (tmp_path / "run" / "value_head.safetensors").is_file()
+    weights, _ = lora_trained(assets, out)
+    base = AutoModelForCausalLM.from_pretrained(assets["sft"]).state_dict()
+    assert any(not torch.equal(weights[k], base[k]) for k in base)  # the adapter learnt something
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_lora_under_deepspeed_reproduces_data_parallel_run(assets, lora_ddp_run, tmp_path, config):
+    """The same LoRA + shared-head run under ZeRO-2 and ZeRO-3: the same metrics, and one adapter, merged model and
+    value head saved (under ZeRO-3 gathered from the shards) that equal the data-parallel run's."""
+    args, out, _, reference = lora_ddp_run
+    proc, rows = launch(args, tmp_path / "run", config=config)
+    assert_same_run(rows, reference)
+    assert proc.stdout.count("saved the policy adapter") == 1
+    (ours, our_head), (theirs, their_head) = lora_trained(assets, tmp_path / "run"), lora_trained(assets, out)
+    assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in theirs)
+    assert all(torch.allclose(our_head[k], their_head[k], atol=1e-5) for k in their_head)
 
 
 # ---------------------------------------------------------------------------------------------------------------
