@@ -983,6 +983,10 @@ def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
     """A hub id or a model directory is used as it is. A GGUF file, or `package/file.gguf` inside an installed
     package (found without importing it), is dequantised once into cache/<name>/ as a plain float32 checkpoint."""
     if not path.endswith(".gguf"):
+        # a path that cannot be a hub id ('name' or 'namespace/name') must exist: else the hub client's complaint
+        # about repo id syntax would be all the user sees
+        if (path.startswith(("/", ".", "~")) or path.count("/") > 1) and not Path(path).expanduser().exists():
+            raise ValueError(f"{path}: no such model directory")
         return path
     gguf = Path(path)
     if not gguf.is_file():

@@ -356,6 +356,7 @@ def test_reward_fn_loading_and_checks():
     (dict(response_length=125), "exceeds the model's 128 positions"),
     (dict(num_trainable_layers=3), "the model has 2 transformer blocks"),
     (dict(sft_model_path="no_such_package_xyz/model.gguf"), "no installed package"),
+    (dict(value_model_path="./no/such/model"), "./no/such/model: no such model directory"),
     (dict(whiten_rewards=True, per_device_train_batch_size=2, gradient_accumulation_steps=1, num_mini_batches=1),
      "at least 8"),
 ])
