@@ -739,7 +739,7 @@ def plain_construction(ds_plugin):
     """Under ZeRO-3, transformers builds every model inside DeepSpeed's zero.Init and then initialises its weights,
     which fails on a meta-device skeleton (there is no data to copy). This builds without it, then restores the
     setting. (accelerate's zero3_init_context_manager(enable=False) leaves transformers' ZeRO-3 flag on.)"""
-    if ds_plugin is None:
+    if ds_plugin is None or ds_plugin.zero_stage != 3:
         yield
         return
     from transformers.integrations import unset_hf_deepspeed_config
@@ -1380,7 +1380,7 @@ def main(args: Args) -> None:
                          f"{model_config.num_hidden_layers} transformer blocks")
     fresh_adapter = None
     if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
-        with plain_construction(ds_plugin if zero3 else None):  # both build meta-device skeletons
+        with plain_construction(ds_plugin):  # both build meta-device skeletons
             fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
             check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
@@ -1963,7 +1963,7 @@ def main(args: Args) -> None:
         if args.merge_adapter:
             # merged from the adapter just saved onto a fresh copy of the base: under ZeRO-3 the live policy's weights
             # are shards on this process, and merging them would write empty tensors
-            with plain_construction(ds_plugin if zero3 else None):
+            with plain_construction(ds_plugin):
                 base = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
             adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
             PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")

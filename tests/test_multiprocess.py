@@ -7,15 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REWARD_FN, ROOT, TINY, assert_same_run, launch, tiny_args, without_wall_clock
+from conftest import ROOT, TINY, assert_same_run, launch, tiny_args, without_wall_clock
 
 
 @pytest.fixture(scope="module")
 def two_process_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run"
-    args = ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
-            "--dataset-train-split", "train", *TINY, "--total-episodes", "128", "--save-every", "2",
-            "--num-sample-generations", "0", "--kl-target", "0.5", "--kl-horizon", "1000", "--use-score-scaling"]
+    args = tiny_args(assets, "--total-episodes", "128", "--save-every", "2", "--kl-target", "0.5", "--kl-horizon",
+                     "1000", "--use-score-scaling")
     return args, out, *launch(args, out)
 
 
@@ -49,9 +48,7 @@ def test_two_process_resume_is_exact(two_process_run, tmp_path):
 @pytest.fixture(scope="module")
 def lora_ddp_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_ddp") / "run"
-    args = ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
-            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", "--use-peft",
-            "--shared-value-head", "--num-trainable-layers", "1", "--merge-adapter"]
+    args = tiny_args(assets, "--use-peft", "--shared-value-head", "--num-trainable-layers", "1", "--merge-adapter")
     return args, out, *launch(args, out)
 
 
