@@ -64,6 +64,9 @@ class Args:
     value_model_path: str | None = None
     """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy
     with a fresh (zero) head"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model loads in (TRL's name; auto: as saved); float32, because AdamW's small steps round away in
+    bf16 weights (trl#4778). Mixed precision comes from `accelerate launch --mixed_precision bf16`"""
     dataset_name: str = DEFAULT_PROMPTS
     """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is built on first use)"""
     dataset_config: str | None = None
@@ -189,6 +192,54 @@ class Args:
         for name in ("reward_model_path", "reward_fn"):
             value = getattr(self, name)
             setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
+
+
+# The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
+FLAG_RANGES = {
+    "seed": "[0, inf)", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)", "total_episodes": "[1, inf)",
+    "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
+    "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
+    "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
+    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
+    "cliprange": "(0, 1)", "vf_coef": "[0, inf)", "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]",
+    "target_kl": "(0, inf)", "ratio_threshold": "(0, inf)", "score_clip": "(0, inf)",
+    "num_trainable_layers": "[1, inf)", "learning_rate": "[0, inf)", "max_grad_norm": "(0, inf)", "lora_r": "[1, inf)",
+    "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)", "num_sample_generations": "[0, inf)", "save_every": "[0, inf)",
+    "save_total_limit": "[1, inf)",
+}
+
+
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
+                                                                       value < high)
+
+
+def check_args(args: Args) -> None:
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    for name, interval in FLAG_RANGES.items():
+        value = getattr(args, name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and not in_interval(v, interval):
+                raise ValueError(f"--{name.replace('_', '-')} {v} is out of range: it must lie in {interval}")
+    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
+        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
+    names = reward_names(args.reward_model_path, list(args.reward_fn) or ([] if args.reward_model_path else ["vader"]))
+    if args.reward_weights is not None and len(args.reward_weights) != len(names):
+        raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
+                         "(reward models first, then functions, in the order given)")
+    if not args.use_peft:
+        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
+        if args.merge_adapter:
+            raise ValueError("--merge-adapter needs --use-peft")
+    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.shared_value_head and args.value_model_path is not None:
+        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
+                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -968,7 +1019,10 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        return load_dataset(kind, data_files=str(path), split="train")
+        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
+            return load_dataset(kind, data_files=str(path), split="train")
+        except (StopIteration, ValueError) as error:
+            raise ValueError(f"--dataset-name {name}: no rows could be read from this file ({error!r})") from None
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):
@@ -1272,7 +1326,7 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
     for note in notes:
         console.print(f"  {note}", highlight=False, markup=False)
-    table = Table("model", "parameters", "trainable", "memory estimate per process")
+    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
     for name, model in models.items():
         if model is None:
             continue
@@ -1280,7 +1334,8 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
         weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
         training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
         training /= sizes.world_size if zero_stage >= 2 else 1
-        table.add_row(name, f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
+        table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
+                      f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
                       f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
                       f"{(weights + training) / 2**30:.2f} GiB")
     console.print(table)
@@ -1299,31 +1354,11 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 0. Set-up: validate everything cheap before any model is loaded
     # ============================================================================================================
+    check_args(args)
     # the rewards: reward models first, then functions; no reward given: VADER sentiment
     fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
     names = reward_names(args.reward_model_path, fn_specs)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ValueError(f"--reward-weights: {len(weights)} weight(s) for {len(names)} reward(s) {names} (reward "
-                         "models first, then functions, in the order given)")
-    if not args.use_peft:
-        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
-        if args.merge_adapter:
-            raise ValueError("--merge-adapter needs --use-peft")
-    if args.lora_r < 1 or not 0 <= args.lora_dropout < 1:
-        raise ValueError(f"--lora-r must be >= 1 and --lora-dropout in [0, 1), got {args.lora_r}, {args.lora_dropout}")
-    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
-        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
-    if args.shared_value_head and args.value_model_path is not None:
-        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
-                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
-    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
-        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
-    for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     # One optimizer step per minibatch of gradient_accumulation_steps micro-batches. There is no prepared DataLoader
     # (see `rollout_indices`): with one, accelerate would also step after every micro-batch of each update that used an
     # epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
@@ -1354,6 +1389,7 @@ def main(args: Args) -> None:
     reward_fns = [load_reward_fn(spec) for spec in fn_specs]
     checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
     remote = dict(trust_remote_code=args.trust_remote_code)
+    model_kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
         # a peft checkpoint as SFT model: its adapters go on the base model it names
@@ -1475,9 +1511,9 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 1. Models: policy, frozen reference, value (see `value_model_init`), reward models
     # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+    policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
     # with --use-peft the reference is the policy with its adapter off (`reference_adapter`): no second copy
-    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
     value_model = value_head = None
     if args.shared_value_head:
         # On the policy's own trunk and adapter, as classic TRL's AutoModelForCausalLMWithValueHead: one backbone
@@ -1485,17 +1521,18 @@ def main(args: Args) -> None:
         # loss out of the policy's adapter, but costs a second pass through the trained blocks in every training
         # forward, like the separate value model does (README's memory table: `--use-peft` against
         # `--use-peft --shared-value-head`). Zero at the start, like the fresh head below.
-        value_head = new_value_head(policy.get_output_embeddings().in_features)  # (its weight: a shard under ZeRO-3)
+        # (the head's in_features, not its weight's shape: the weight is a shard under ZeRO-3)
+        value_head = new_value_head(policy.get_output_embeddings().in_features).to(policy.dtype)
     else:
         value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-            value_model_path, num_labels=1, output_loading_info=True, **remote)
+            value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
         if any(k.startswith("score.") for k in loading_info["missing_keys"]):
             # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
             # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
             with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
                 for p in value_model.score.parameters():
                     nn.init.zeros_(p)
-    reward_models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **remote)
+    reward_models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **model_kwargs)
                      for p in reward_model_paths]
     frozen_models = [m for m in (ref_policy, *reward_models) if m is not None]
     for m in (policy, value_model, *frozen_models):
@@ -1964,7 +2001,7 @@ def main(args: Args) -> None:
             # merged from the adapter just saved onto a fresh copy of the base: under ZeRO-3 the live policy's weights
             # are shards on this process, and merging them would write empty tensors
             with plain_construction(ds_plugin):
-                base = AutoModelForCausalLM.from_pretrained(sft_model_path, **remote)
+                base = AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
             adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
             PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
             tokenizer.save_pretrained(output_dir / "merged")

@@ -58,6 +58,9 @@ class Args:
     """the reward model (AutoModelForSequenceClassification, num_labels=1, same tokenizer as the policy)"""
     value_model_path: str | None = None
     """initialises the value model; default: the reward model (N+ detail 18)"""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """the dtype every model loads in (TRL's name; auto: as saved); float32, because AdamW's small steps round away in
+    bf16 weights (trl#4778). Mixed precision comes from `accelerate launch --mixed_precision bf16`"""
 
     # data: a hub id, a local dataset directory, a `save_to_disk` directory, or a .json/.jsonl/.parquet/.csv file
     dataset_name: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
@@ -141,6 +144,41 @@ class Args:
     ds3_gather_for_generation: bool = True
     """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
     weights, slowly, when the whole policy does not fit on one device)"""
+
+
+# The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
+FLAG_RANGES = {
+    "seed": "[0, inf)", "max_query_length": "[1, inf)", "eval_samples": "[1, inf)", "eval_every": "[0, inf)",
+    "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
+    "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
+    "response_length": "[1, inf)", "temperature": "(0, inf)", "penalty_reward_value": "(-inf, inf)",
+    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "cliprange": "(0, 1)", "vf_coef": "[0, inf)",
+    "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]", "learning_rate": "[0, inf)",
+    "max_grad_norm": "(0, inf)", "save_every": "[0, inf)", "save_total_limit": "[1, inf)",
+}
+
+
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
+                                                                       value < high)
+
+
+def check_args(args: Args) -> None:  # differs from ppo.py's: the TL;DR script's own flags
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    for name, interval in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not in_interval(value, interval):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is out of range: it must lie in {interval}")
+    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
+                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
+                                 ("--stop-token", args.stop_token, ("eos", None))):
+        if value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
+    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
+        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
+                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -693,14 +731,15 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
                   f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    table = Table("model", "parameters", "trainable", "memory estimate per process", "score bias")
+    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process", "score bias")
     for name, model in models.items():
         params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
         weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
         training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
         training /= sizes.world_size if zero_stage >= 2 else 1
         bias = f"{score_bias(model.config):.4g}" if name in ("value model", "reward model") else ""
-        table.add_row(name, f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
+        table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
+                      f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
                       f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
                       f"{(weights + training) / 2**30:.2f} GiB", bias)
     console.print(table)
@@ -721,18 +760,7 @@ def main(args: Args) -> None:
     # ============================================================================================================
     # 0. Set-up: validate everything cheap before any model is loaded
     # ============================================================================================================
-    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
-                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
-                                 ("--stop-token", args.stop_token, ("eos", None))):
-        if value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
-    for flag, value, low in (("--max-query-length", args.max_query_length, 1), ("--response-length",
-                             args.response_length, 1), ("--eval-every", args.eval_every, 0),
-                             ("--eval-samples", 1 if args.eval_samples is None else args.eval_samples, 1),
-                             ("--local-rollout-forward-batch-size", args.local_rollout_forward_batch_size, 1),
-                             ("--save-every", args.save_every, 0)):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    check_args(args)
     # One optimizer step per minibatch of gradient_accumulation_steps micro-batches (N+ detail 32; TRL's arithmetic
     # broke it for num_mini_batches > 1). There is no prepared DataLoader (see `rollout_indices`): with one, accelerate
     # would also step after every micro-batch of each update that used an epoch's last batch (sync_with_dataloader).
@@ -761,13 +789,11 @@ def main(args: Args) -> None:
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
-        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
-                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
     device = accelerator.device
     console = Console()
     checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
     remote = dict(trust_remote_code=args.trust_remote_code)
+    model_kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
     value_model_path = args.value_model_path or args.reward_model_path
     reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
     check_scalar_model(value_model_path, "value model", require_head=False, **remote)
@@ -833,17 +859,18 @@ def main(args: Args) -> None:
     # 1. Models: policy, frozen reference (N+ detail 19), value model initialised from the reward model (N+ detail
     #    18), reward model. Separate networks, no shared trunk (N+ detail 17).
     # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **remote)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **remote)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **remote)
+        value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
         # A fresh head on a language-model trunk (--value-model-path given a causal LM): start at V = 0 instead of a
         # random head on hidden states whose norm can be large (LMHP initialises its value head at 0).
         with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
             for p in value_model.score.parameters():
                 nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **remote)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1,
+                                                                      **model_kwargs)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)

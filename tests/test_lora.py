@@ -228,7 +228,7 @@ def test_named_adapters_from_a_peft_checkpoint(llama, assets, tmp_path):
     (dict(shared_value_head=True, value_model_path="RM"), "drop --value-model-path"),
     (dict(merge_adapter=True), "--merge-adapter needs --use-peft"),
     (dict(model_adapter_name="a"), "--model-adapter-name needs --use-peft"),
-    (dict(use_peft=True, lora_r=0), "--lora-r must be >= 1"),
+    (dict(use_peft=True, lora_r=0), "--lora-r 0 is out of range"),
     (dict(use_peft=True, ref_adapter_name="default"), "cannot be the trained adapter"),
 ])
 def test_bad_memory_flags_are_refused(assets, tmp_path, monkeypatch, overrides, message):

@@ -351,7 +351,7 @@ def test_reward_fn_loading_and_checks():
 @pytest.mark.parametrize("overrides, message", [
     (dict(dataset_prompt_column="question"), "is not in"),
     (dict(reward_fn=None, reward_model_path="SFT"), "not a sequence classifier"),
-    (dict(num_mini_batches=0), "--num-mini-batches must be >= 1"),
+    (dict(num_mini_batches=0), "--num-mini-batches 0 is out of range"),
     (dict(per_device_train_batch_size=64), "too few"),
     (dict(response_length=125), "exceeds the model's 128 positions"),
     (dict(num_trainable_layers=3), "the model has 2 transformer blocks"),
@@ -359,15 +359,25 @@ def test_reward_fn_loading_and_checks():
     (dict(value_model_path="./no/such/model"), "./no/such/model: no such model directory"),
     (dict(whiten_rewards=True, per_device_train_batch_size=2, gradient_accumulation_steps=1, num_mini_batches=1),
      "at least 8"),
+    # tried as a new user would: these crashed inside torch or datasets, or started a run
+    (dict(response_length=0), "--response-length 0 is out of range: it must lie in [1, inf)"),
+    (dict(eval_samples=-1), "--eval-samples -1 is out of range"),
+    (dict(learning_rate=-1.0), "--learning-rate -1.0 is out of range"),
+    (dict(gamma=2.0), "--gamma 2.0 is out of range: it must lie in [0, 1]"),
+    (dict(dataset_name="EMPTY"), "no rows could be read from this file"),
 ])
-def test_bad_input_is_refused(assets, tmp_path, overrides, message):
+def test_bad_input_is_refused(assets, tmp_path, monkeypatch, overrides, message):
+    loaded = []
+    monkeypatch.setattr(ppo.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    (tmp_path / "empty.jsonl").write_text("")
+    overrides = {k: str(tmp_path / "empty.jsonl") if v == "EMPTY" else v for k, v in overrides.items()}
     fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
                   per_device_train_batch_size=4, num_trainable_layers=None)
     fields.update({k: {"RM": str(assets["rm"]), "SFT": str(assets["sft"])}.get(v, v) for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
-    assert not (tmp_path / "run").exists()  # a refused run writes nothing
+    assert not loaded and not (tmp_path / "run").exists()  # refused before any model loads; a refused run writes nothing
 
 
 def test_accumulation_set_by_the_launcher_must_agree(assets, tmp_path, monkeypatch):
