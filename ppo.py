@@ -348,6 +348,9 @@ class HeadLogprobs(torch.autograd.Function):
         lse = torch.cat(lses)
         ctx.save_for_backward(hidden, weight, tokens, lse)
         ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
+        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))
         entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
         ctx.mark_non_differentiable(entropy)
         return torch.cat(logprobs), entropy
@@ -371,8 +374,10 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.size(0), ctx.chunk_rows):
             stop = start + ctx.chunk_rows
             h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
-            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0
-            logits = HeadLogprobs.scaled_logits(h, weight, ctx.temperature, ctx.pad_token_id)
+            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
+            # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
+            with torch.autocast(**ctx.autocast):
+                logits = HeadLogprobs.scaled_logits(h, weight, ctx.temperature, ctx.pad_token_id)
             grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
             grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
             grad = grad.to(weight.dtype)
