@@ -606,14 +606,21 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @contextmanager
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
-    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed."""
+    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed. Backbones that
+    pick block i's attention (sliding or full) as config.layer_types[i] by loop position (Qwen2, Gemma 3, Cohere2...)
+    see the same slice of layer_types."""
     name, blocks = transformer_blocks(model)
     backbone = unpeft(model).base_model
+    layer_types = getattr(backbone.config, "layer_types", None)
     setattr(backbone, name, blocks[start:stop])
+    if layer_types is not None:
+        backbone.config.layer_types = layer_types[start:stop]
     try:
         yield
     finally:
         setattr(backbone, name, blocks)
+        if layer_types is not None:
+            backbone.config.layer_types = layer_types
 
 
 def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:

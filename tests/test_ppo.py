@@ -275,6 +275,25 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
         assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
 
 
+@pytest.mark.parametrize("num_frozen", [1, 2])
+def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
+    """Qwen2 (like Gemma 3, Cohere2, Ministral...) picks block i's mask as config.layer_types[i] by loop position: the
+    top blocks run alone must still get their own sliding/full types. A window of 2 tokens, on prompts longer than it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=31, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, use_sliding_window=True, sliding_window=2, max_window_layers=1)).eval()
+    assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
+    with torch.no_grad():
+        trunk = (ppo.frozen_trunk(model, qr, PAD, num_frozen), num_frozen)
+        torch.testing.assert_close(ppo.scalar_outputs(model, qr, PAD, trunk), ppo.scalar_outputs(model, qr, PAD),
+                                   rtol=1e-5, atol=1e-6)
+    assert len(model.config.layer_types) == 3  # restored
+
+
 def test_split_forward_is_refused_where_it_is_not_exact():
     """GPT-2 adds position embeddings to its inputs inside the backbone: starting from a trunk would add them twice."""
     from transformers import GPT2Config, GPT2LMHeadModel
