@@ -157,7 +157,7 @@ class Args:
     lora_alpha: int = 32
     """the LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
-    """dropout on the LoRA input in training forwards; above 0 the training forward no longer matches the rollout's"""
+    """a fresh adapter's dropout in training forwards (a loaded adapter's is off); above 0 the first ratio is not 1"""
     lora_target_modules: list[str] | None = None
     """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
     model_adapter_name: str | None = None
@@ -777,6 +777,19 @@ def checkpoint_adapters(path: str) -> dict[str, Path]:
     found = {"default": root} if (root / "adapter_config.json").is_file() else {}
     found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
     return found
+
+
+def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
+    """Whether the embeddings and the bottom `num_frozen` blocks carry no peft adapter of any kind (a tuner layer:
+    LoRA, IA3, LoHa...; or a modules_to_save or trainable-tokens copy), whichever adapter is active. Only then is the
+    frozen trunk the SFT model's own, which the reference and a value model from the same checkpoint share."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    name, blocks = transformer_blocks(model)
+    top = tuple(f"{name}.{i}." for i in range(num_frozen, len(blocks)))
+    return not any(isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper)) and not f"{n}.".startswith(top)
+                   for n, m in unpeft(model).base_model.named_modules())
 
 
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
@@ -1563,6 +1576,7 @@ def main(args: Args) -> None:
             else:
                 policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
                                                    is_trainable=name == model_adapter_name)
+        disable_dropout(policy)  # the checkpoint's adapters too (their lora_dropout, often 0.05): N+ detail 7
         if fresh_adapter is not None:
             torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
             if isinstance(policy, PeftModel):
@@ -1584,12 +1598,9 @@ def main(args: Args) -> None:
             if m is None:
                 continue
             frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
-            # an adapter in a frozen block (one loaded from a checkpoint) would make the policy's trunk differ from
+            # an adapter below the top blocks (one loaded from a checkpoint) would make the policy's trunk differ from
             # the reference's: such a policy runs full forwards
-            if isinstance(m, PeftModel) and any(
-                    "lora_" in n for n, _ in transformer_blocks(m)[1][:max(frozen, 0)].named_parameters()):
-                continue
-            if frozen > 0 and split_forward_is_exact(m, probe, pad_token_id, frozen):
+            if frozen > 0 and adapter_free_trunk(m, frozen) and split_forward_is_exact(m, probe, pad_token_id, frozen):
                 num_frozen[name] = frozen
     # log-probs straight from the hidden states, without (batch, length, vocab) logits, where that is exact; not under
     # ZeRO-3, whose sharded LM-head weight is whole only inside the head's own forward

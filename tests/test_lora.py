@@ -28,7 +28,7 @@ def logprobs(model, qr, context_length=2):
 
 def random_adapter(seed: int, **kwargs) -> LoraConfig:
     torch.manual_seed(seed)
-    return LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"], **kwargs)
+    return LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **{"target_modules": ["q_proj", "v_proj"], **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,6 +217,46 @@ def test_named_adapters_from_a_peft_checkpoint(llama, assets, tmp_path):
     given = load_file(tmp_path / "sft" / "sft" / "adapter_model.safetensors")
     assert all(torch.equal(saved["sft"][k], v) for k, v in given.items())  # the reference adapter never trained
     assert any(not torch.equal(saved["policy"][k], v) for k, v in given.items())
+
+
+@pytest.mark.parametrize("kind", ["lora_on_embeddings", "ia3", "modules_to_save"])
+def test_an_adapter_in_the_frozen_trunk_keeps_full_forwards(llama, assets, tmp_path, kind):
+    """A checkpoint adapter below the top blocks: the policy's trunk is not the reference's, so it is not shared. The
+    first update's KL (before any step) equals the one of a run that has no frozen trunk at all."""
+    from peft import IA3Config
+
+    model = AutoModelForCausalLM.from_pretrained(llama["sft"])
+    config = {"lora_on_embeddings": random_adapter(0, target_modules=["embed_tokens"]),
+              "ia3": IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+              "modules_to_save": random_adapter(0, layers_to_transform=[1], modules_to_save=["embed_tokens"])}[kind]
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(0)
+    with torch.no_grad():  # adapters that change the model from the start
+        for n, p in peft_model.named_parameters():
+            if "ia3_l" in n or "modules_to_save" in n:
+                p.add_(torch.randn_like(p) * 2)
+    assert not ppo.adapter_free_trunk(peft_model, 1)
+    peft_model.save_pretrained(tmp_path / "sft")
+    rows = {layers: run_ppo(tiny_args({**assets, "sft": tmp_path / "sft"}, *ONE_STEP, "--use-peft",
+                                      "--num-trainable-layers", layers), tmp_path / layers)[1]
+            for layers in ("1", "None")}
+    assert abs(rows["None"][0]["objective/kl"]) > 1e-4  # the adapter moved the policy away from the reference
+    assert rows["1"][0]["objective/kl"] == pytest.approx(rows["None"][0]["objective/kl"], rel=1e-5)
+
+
+def test_a_fresh_adapter_on_the_top_blocks_keeps_the_trunk_shared(llama):
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]),
+                           random_adapter(0, layers_to_transform=[1]))
+    assert ppo.adapter_free_trunk(model, 1) and not ppo.adapter_free_trunk(model, 2)
+
+
+def test_a_loaded_adapter_trains_without_dropout(llama, assets, tmp_path):
+    """A checkpoint adapter saved with lora_dropout: off like every other dropout, so at lr 0 the ratio stays 1."""
+    get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]),
+                   random_adapter(0, lora_dropout=0.5)).save_pretrained(tmp_path / "sft")
+    _, rows = run_ppo(tiny_args({**assets, "sft": tmp_path / "sft"}, *ONE_STEP, "--use-peft", "--learning-rate", "0"),
+                      tmp_path / "run")
+    assert all(r["val/ratio"] == pytest.approx(1, abs=1e-6) and r["policy/approxkl_avg"] < 1e-10 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
