@@ -1934,7 +1934,7 @@ def main(args: Args) -> None:
             real = (~padding_mask).float()
             local = torch.stack([
                 kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-                non_score_reward.sum(1).mean(), scores.mean(),
+                non_score_reward.sum(1).mean(), scores.mean(), trained_scores.mean(),
                 (contain_eos_token.sum() if contain_eos_token is not None else torch.zeros((), device=device)).float(),
                 (sequence_lengths + 1).float().mean(),
             ])
@@ -1945,7 +1945,7 @@ def main(args: Args) -> None:
             ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
             stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
                           for k, v in stats.items()}
-            mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+            mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
             component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
                                                  .unsqueeze(0)).mean(0).tolist()
             metrics = {
@@ -1953,7 +1953,7 @@ def main(args: Args) -> None:
                 "objective/kl": mean_kl,
                 "objective/entropy": mean_entropy,
                 "objective/non_score_reward": mean_nsr,
-                "objective/rlhf_reward": mean_nsr + mean_scores,
+                "objective/rlhf_reward": mean_nsr + mean_trained,  # what PPO maximised: scaled/clipped scores if asked
                 "objective/scores": mean_scores,
                 # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
                 **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
@@ -1965,7 +1965,7 @@ def main(args: Args) -> None:
                 "policy/entropy_avg": stat_means["entropy"],
                 "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
                 "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-                "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
+                "val/num_eos_tokens": gathered[:, 5].sum().item(),  # responses ending in eos, over all ranks
                 "val/response_length": mean_len,
                 "policy/optimizer_steps": optimizer_steps,
                 "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
@@ -1977,6 +1977,8 @@ def main(args: Args) -> None:
                 "lr": lr,
                 "episode": episode,
             }
+            if trained_scores is not scores:  # objective/scores stays the raw score
+                metrics["objective/scaled_scores"] = mean_trained
             if args.use_score_scaling or args.use_score_norm:
                 metrics["objective/score_running_mean"] = score_moments.mean
                 metrics["objective/score_running_std"] = score_moments.std

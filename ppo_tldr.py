@@ -482,7 +482,11 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+    # Always response_length wide, as SFD's: the longest response's score then lands one past its eos, where the value
+    # bootstraps, and not on the eos itself (differs from ppo.py, which keeps TRL's width of the longest response)
+    width = response_length - len(tokens)
+    return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
+            F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
 
 
 @contextmanager

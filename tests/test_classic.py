@@ -161,6 +161,10 @@ def test_score_scaling_logs_and_checkpoints_the_running_moments(assets, tmp_path
                                "--total-episodes", "32"), tmp_path / "run")
     assert all(math.isfinite(r["objective/score_running_mean"]) and r["objective/score_running_std"] > 0
                for r in rows)
+    for r in rows:  # rlhf_reward is what PPO trained on (the scaled, clipped scores); objective/scores stays raw
+        assert -0.5 <= r["objective/scaled_scores"] <= 0.5
+        assert r["objective/rlhf_reward"] == pytest.approx(r["objective/non_score_reward"] + r["objective/scaled_scores"])
+    assert any(abs(r["objective/scores"] - r["objective/scaled_scores"]) > 1e-3 for r in rows)
     state = json.loads((tmp_path / "run" / "checkpoints" / "update-000002" / "trainer_state.json").read_text())
     assert state["score_moments"]["count"] == pytest.approx(32)
     assert state["score_moments"]["mean"] == pytest.approx(rows[-1]["objective/score_running_mean"])

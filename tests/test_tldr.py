@@ -261,6 +261,23 @@ def test_load_tldr_split_from_files_and_directories(tldr, tmp_path):
         ppo_tldr.load_tldr_split(str(tmp_path / "prompts.jsonl"), None, "train", "--dataset-name")
 
 
+def test_responses_are_response_length_wide_when_every_row_stops_early():
+    """Generation ends once every row has its eos; the responses are still --response-length wide (SFD), so the
+    longest response's score lands one past its eos, where the value bootstraps, and not on the eos itself."""
+    class AlwaysEos(torch.nn.Module):  # a policy that puts almost all probability on token 0, the eos
+        def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep=None,
+                    past_key_values=None):
+            logits = torch.full((*input_ids.shape, 5), -20.0)
+            logits[..., 0] = 20.0
+            return type("Output", (), dict(logits=logits, past_key_values=None))
+
+    responses, logprobs = ppo_tldr.generate(AlwaysEos(), torch.tensor([[1, 2], [7, 3]]), 7, 6, 0.7, stop_token_id=0)
+    assert responses.tolist() == [[0, 7, 7, 7, 7, 7]] * 2
+    assert (logprobs[:, 1:] == ppo_tldr.INVALID_LOGPROB).all() and (logprobs[:, 0] <= 0).all()
+    sequence_lengths = ppo_tldr.first_true_indices(responses == 7) - 1
+    assert ppo_tldr.score_positions(sequence_lengths, responses.size(1)).tolist() == [1, 1]  # one past the eos
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bad input is refused with a clear message (in-process: every check runs before any model is loaded)
 # ---------------------------------------------------------------------------------------------------------------
