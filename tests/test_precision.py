@@ -62,10 +62,10 @@ def test_dtype_auto_keeps_the_saved_dtype(assets, tmp_path):
                          ids=["default", "lora_shared_head"])
 def test_bf16_autocast_run_on_one_cpu_process(assets, tmp_path, extra):
     """`accelerate launch --mixed_precision bf16` on CPU: forwards under autocast, weights and Adam in float32. Policy
-    and reference compute the same bf16 forward, so the first KL is 0; every metric is finite."""
+    and reference are the same model, so the first KL is 0 up to bf16 rounding; every metric is finite."""
     proc, rows = launch(tiny_args(assets, *extra), tmp_path / "run", num_processes=1,
                         launch_flags=["--mixed_precision", "bf16"])
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-    assert abs(rows[0]["objective/kl"]) < 1e-6
+    assert abs(rows[0]["objective/kl"]) < 1e-3  # bf16 rounding: the rollout's KV-cached forward vs the full one
     saved = load_file(tmp_path / "run" / ("adapter_model.safetensors" if extra else "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in saved.values())

@@ -508,3 +508,16 @@ def test_help_lists_every_flag(capsys, monkeypatch):
         assert f"--{f.name.replace('_', '-')}" in out, f.name
     flat = re.sub(r"\s+", " ", out)
     assert "{replace,subtract,none}" in flat and "(default: replace)" in flat and "(default: 1000000)" in flat
+
+
+def test_bf16_autocast_run_on_one_cpu_process(tldr, tmp_path):
+    """`accelerate launch --mixed_precision bf16` on CPU: forwards under autocast, the trained weights float32, every
+    metric finite, and the first KL 0 up to bf16 rounding (policy and reference are the same model)."""
+    from safetensors.torch import load_file
+
+    _, rows = launch(tiny_args(tldr, "--total-episodes", "32"), tmp_path / "run", script="ppo_tldr.py",
+                     num_processes=1, launch_flags=["--mixed_precision", "bf16"])
+    assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert abs(rows[0]["objective/kl"]) < 1e-3  # bf16 rounding: the rollout's KV-cached forward vs the full one
+    for saved in (tmp_path / "run" / "model.safetensors", tmp_path / "run" / "value_model" / "model.safetensors"):
+        assert all(t.dtype == torch.float32 for t in load_file(saved).values())
