@@ -196,12 +196,12 @@ class Args:
 
 # The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
 FLAG_RANGES = {
-    "seed": "[0, inf)", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)", "total_episodes": "[1, inf)",
+    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)", "total_episodes": "[1, inf)",
     "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
     "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
     "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
     "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
-    "cliprange": "(0, 1)", "vf_coef": "[0, inf)", "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]",
+    "cliprange": "(0, inf)", "vf_coef": "[0, inf)", "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]",
     "target_kl": "(0, inf)", "ratio_threshold": "(0, inf)", "score_clip": "(0, inf)",
     "num_trainable_layers": "[1, inf)", "learning_rate": "[0, inf)", "max_grad_norm": "(0, inf)", "lora_r": "[1, inf)",
     "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)", "num_sample_generations": "[0, inf)", "save_every": "[0, inf)",
@@ -235,6 +235,8 @@ def check_args(args: Args) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
         if args.merge_adapter:
             raise ValueError("--merge-adapter needs --use-peft")
+    if args.kl_target is not None and args.kl_coef == 0:
+        raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
     if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
     if args.shared_value_head and args.value_model_path is not None:
@@ -570,13 +572,17 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
-    as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
+    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
+    Training forwards run in train mode, so all of them matter."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+        for name in ("rank_dropout", "module_dropout"):
+            if isinstance(getattr(module, name, None), dict):
+                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -606,21 +612,21 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @contextmanager
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
-    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed. Backbones that
-    pick block i's attention (sliding or full) as config.layer_types[i] by loop position (Qwen2, Gemma 3, Cohere2...)
-    see the same slice of layer_types."""
+    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed. Backbones read
+    per-block settings by loop position (config.layer_types[i], sliding or full attention: Qwen2, Gemma 3, Cohere2...;
+    layers_block_type, layer_rope_theta...), so every config list with one entry per block is sliced the same way."""
     name, blocks = transformer_blocks(model)
     backbone = unpeft(model).base_model
-    layer_types = getattr(backbone.config, "layer_types", None)
+    per_block = {k: v for k, v in vars(backbone.config).items() if isinstance(v, list) and len(v) == len(blocks)}
     setattr(backbone, name, blocks[start:stop])
-    if layer_types is not None:
-        backbone.config.layer_types = layer_types[start:stop]
+    for key, values in per_block.items():
+        setattr(backbone.config, key, values[start:stop])
     try:
         yield
     finally:
         setattr(backbone, name, blocks)
-        if layer_types is not None:
-            backbone.config.layer_types = layer_types
+        for key, values in per_block.items():
+            setattr(backbone.config, key, values)
 
 
 def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
@@ -1426,6 +1432,12 @@ def main(args: Args) -> None:
         value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
+    for name, path in sft_adapters.items():
+        peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
+        if peft_type in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT"):
+            raise ValueError(f"--sft-model-path {args.sft_model_path}: adapter {name!r} is {peft_type}, which changes "
+                             "what every block sees (no frozen trunk, no adapter-free reference): give a checkpoint "
+                             "with a LoRA-style adapter, or a merged model")
     if sft_adapters and not args.use_peft:
         raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
                          f"{sorted(sft_adapters)}): add --use-peft to train with it")
@@ -1861,7 +1873,7 @@ def main(args: Args) -> None:
         def minibatch_ratio(micro_batches) -> float:
             """The masked mean ratio of a whole minibatch over all processes, from a no-grad forward (ratio guard)."""
             total = torch.zeros(2, device=device)
-            with torch.no_grad():
+            with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
                 for mbi in micro_batches:
                     new = response_logprobs(accelerator.unwrap_model(model).policy, query_responses[mbi], pad_token_id,
                                             context_length, response_ids[mbi], args.temperature, trunks(mbi)[0],
@@ -1977,7 +1989,7 @@ def main(args: Args) -> None:
                 "lr": lr,
                 "episode": episode,
             }
-            if trained_scores is not scores:  # objective/scores stays the raw score
+            if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
                 metrics["objective/scaled_scores"] = mean_trained
             if args.use_score_scaling or args.use_score_norm:
                 metrics["objective/score_running_mean"] = score_moments.mean

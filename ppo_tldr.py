@@ -148,11 +148,11 @@ class Args:
 
 # The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
 FLAG_RANGES = {
-    "seed": "[0, inf)", "max_query_length": "[1, inf)", "eval_samples": "[1, inf)", "eval_every": "[0, inf)",
+    "seed": "[0, 2147483647]", "max_query_length": "[1, inf)", "eval_samples": "[1, inf)", "eval_every": "[0, inf)",
     "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
     "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
     "response_length": "[1, inf)", "temperature": "(0, inf)", "penalty_reward_value": "(-inf, inf)",
-    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "cliprange": "(0, 1)", "vf_coef": "[0, inf)",
+    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "cliprange": "(0, inf)", "vf_coef": "[0, inf)",
     "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]", "learning_rate": "[0, inf)",
     "max_grad_norm": "(0, inf)", "save_every": "[0, inf)", "save_total_limit": "[1, inf)",
 }
@@ -372,13 +372,17 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules and the attention dropout that attention modules keep
-    as a float and apply only in train mode. Training forwards run in train mode, so both matter."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
+    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
+    Training forwards run in train mode, so all of them matter."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+        for name in ("rank_dropout", "module_dropout"):
+            if isinstance(getattr(module, name, None), dict):
+                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -677,7 +681,10 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        ds = load_dataset(kind, data_files=str(path), split="train")
+        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
+            ds = load_dataset(kind, data_files=str(path), split="train")
+        except (StopIteration, ValueError) as error:
+            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
     elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):

@@ -27,7 +27,7 @@ BAD = {
     },
 }
 # values at the edge of their range that must still be accepted
-GOOD = {"gamma": 1.0, "lam": 0.0, "learning_rate": 0.0, "kl_coef": 0.0, "cliprange": 0.99, "seed": 0}
+GOOD = {"gamma": 1.0, "lam": 0.0, "learning_rate": 0.0, "kl_coef": 0.0, "cliprange": 1.5, "seed": 2**31 - 1}
 
 
 def numeric_fields(module) -> set[str]:
@@ -81,6 +81,7 @@ def test_bad_combinations_are_refused():
     for fields, message in [(dict(kl_estimator="k5"), "unknown --kl-estimator"),
                             (dict(reward_fn=("vader",), reward_weights=(1.0, 2.0)), "2 weight(s) for 1 reward(s)"),
                             (dict(lora_target_modules=["q"]), "--lora-target-modules needs --use-peft"),
-                            (dict(shared_value_head=True, value_model_path="x"), "drop --value-model-path")]:
+                            (dict(shared_value_head=True, value_model_path="x"), "drop --value-model-path"),
+                            (dict(kl_target=6.0, kl_coef=0.0), "--kl-target steers --kl-coef")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ppo.check_args(ppo.Args(**fields))

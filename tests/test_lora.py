@@ -283,6 +283,19 @@ def test_bad_memory_flags_are_refused(assets, tmp_path, monkeypatch, overrides, 
     assert not loaded and not (tmp_path / "run").exists()
 
 
+def test_a_prompt_learning_checkpoint_is_refused(llama, assets, tmp_path):
+    """Prefix tuning changes what every block sees: no frozen trunk, no adapter-free reference. Refused by name."""
+    from peft import PrefixTuningConfig
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]), PrefixTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=2)).save_pretrained(tmp_path / "sft")
+    with pytest.raises(ValueError, match="adapter 'default' is PREFIX_TUNING"):
+        ppo.main(ppo.Args(sft_model_path=str(tmp_path / "sft"), reward_fn=REWARD_FN, use_peft=True,
+                          dataset_name=str(assets["prompts"]), dataset_train_split="train",
+                          output_dir=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_peft_checkpoint_needs_use_peft(llama, assets, tmp_path):
     get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]), random_adapter(0)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="add --use-peft"):

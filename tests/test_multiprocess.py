@@ -141,7 +141,7 @@ def test_zero2_bf16_scores_reference_in_policy_precision(ddp_reference, tmp_path
     args, _, _ = ddp_reference
     _, rows = launch(args, tmp_path / "run", config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
     assert abs(rows[0]["objective/kl"]) < 1e-3
-    assert all(math.isfinite(r["loss/policy_avg"]) for r in rows)
+    assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
 
 
 def test_deepspeed_config_whose_accumulation_disagrees_is_refused(assets, tmp_path):

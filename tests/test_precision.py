@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import ppo
 from conftest import build_models, launch, run_ppo, tiny_args
 
 ONE_UPDATE = ["--total-episodes", "8", "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "1",
@@ -25,8 +26,8 @@ def changed_share(before: dict, after: dict) -> float:
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_a_bf16_saved_checkpoint_trains_in_float32(assets, tmp_path, arch):
     """transformers 5 loads a checkpoint in its saved dtype by default. At lr 3e-6 an Adam step is far below half a
-    bf16 ulp of most weights, so bf16 weights would barely move (0.6% changed); --dtype float32, the default, trains
-    the bf16-saved checkpoint like the float32-saved one."""
+    bf16 ulp of most weights, so bf16 weights would barely move (3.5% changed here); --dtype float32, the default,
+    trains the bf16-saved checkpoint like the float32-saved one."""
     paths = build_models(tmp_path, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(paths["sft"], dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -68,4 +69,19 @@ def test_bf16_autocast_run_on_one_cpu_process(assets, tmp_path, extra):
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert abs(rows[0]["objective/kl"]) < 1e-3  # bf16 rounding: the rollout's KV-cached forward vs the full one
     saved = load_file(tmp_path / "run" / ("adapter_model.safetensors" if extra else "model.safetensors"))
-    assert all(t.dtype == torch.float32 for t in saved.values())
+    value = load_file(tmp_path / "run" / ("value_head.safetensors" if extra else "value_model/model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in (*saved.values(), *value.values()))
+
+
+def test_loha_dropouts_are_off(assets):
+    """LoHa and LoKr keep their rank and module dropouts as floats, not nn.Dropout: disable_dropout sets them to 0, so
+    two training-mode forwards agree, as for every other module."""
+    from peft import LoHaConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(assets["sft"]), LoHaConfig(
+        r=4, target_modules=["query_key_value"], rank_dropout=0.5, module_dropout=0.5, init_weights=False))
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    model.train()
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout at work
+    ppo.disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)

@@ -298,9 +298,13 @@ def test_responses_are_response_length_wide_when_every_row_stops_early():
     (dict(resume="auto", output_dir=None), "--resume auto needs --output-dir"),
     (dict(response_length=0), "--response-length 0 is out of range: it must lie in [1, inf)"),
     (dict(learning_rate=-1.0), "--learning-rate -1.0 is out of range"),
-    (dict(cliprange=0.0), "--cliprange 0.0 is out of range: it must lie in (0, 1)"),
+    (dict(cliprange=0.0), "--cliprange 0.0 is out of range: it must lie in (0, inf)"),
+    (dict(eval_dataset_name="EMPTY"), "--eval-dataset-name EMPTY: no rows could be read from this file"),
 ])
 def test_bad_input_is_refused(tldr, tmp_path, overrides, message):
+    (tmp_path / "empty.jsonl").write_text("")
+    overrides = {k: str(tmp_path / "empty.jsonl") if v == "EMPTY" else v for k, v in overrides.items()}
+    message = message.replace("EMPTY", str(tmp_path / "empty.jsonl"))
     fields = dict(sft_model_path=str(tldr["sft"]), reward_model_path=str(tldr["rm_bias"]),
                   dataset_name=str(tldr["train"]), eval_dataset_name=str(tldr["valid"]),
                   output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=4,
@@ -510,14 +514,31 @@ def test_help_lists_every_flag(capsys, monkeypatch):
     assert "{replace,subtract,none}" in flat and "(default: replace)" in flat and "(default: 1000000)" in flat
 
 
+def bf16_saved(tldr, root):
+    """The SFT policy and the reward model saved in bf16, as most hub checkpoints are."""
+    for name, cls in (("sft", AutoModelForCausalLM), ("rm_bias", AutoModelForSequenceClassification)):
+        cls.from_pretrained(tldr[name]).to(torch.bfloat16).save_pretrained(root / name)
+        AutoTokenizer.from_pretrained(tldr[name]).save_pretrained(root / name)
+    return {**tldr, "sft": root / "sft", "rm_bias": root / "rm_bias"}
+
+
 def test_bf16_autocast_run_on_one_cpu_process(tldr, tmp_path):
-    """`accelerate launch --mixed_precision bf16` on CPU: forwards under autocast, the trained weights float32, every
-    metric finite, and the first KL 0 up to bf16 rounding (policy and reference are the same model)."""
+    """`accelerate launch --mixed_precision bf16` on CPU from bf16-saved checkpoints: forwards under autocast, the
+    trained weights float32 (--dtype), every metric finite, the first KL 0 up to bf16 rounding."""
     from safetensors.torch import load_file
 
-    _, rows = launch(tiny_args(tldr, "--total-episodes", "32"), tmp_path / "run", script="ppo_tldr.py",
-                     num_processes=1, launch_flags=["--mixed_precision", "bf16"])
+    _, rows = launch(tiny_args(bf16_saved(tldr, tmp_path), "--total-episodes", "32"), tmp_path / "run",
+                     script="ppo_tldr.py", num_processes=1, launch_flags=["--mixed_precision", "bf16"])
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert abs(rows[0]["objective/kl"]) < 1e-3  # bf16 rounding: the rollout's KV-cached forward vs the full one
     for saved in (tmp_path / "run" / "model.safetensors", tmp_path / "run" / "value_model" / "model.safetensors"):
         assert all(t.dtype == torch.float32 for t in load_file(saved).values())
+
+
+def test_zero2_bf16_two_processes(tldr, tmp_path):
+    """The shipped ZeRO-2 config in bf16 on 2 CPU processes: DeepSpeed holds fp32 master weights, the reference and
+    reward model are cast to bf16 like the policy's working copy, so the first KL is 0 up to rounding."""
+    _, rows = launch(tiny_args(tldr, "--total-episodes", "32"), tmp_path / "run", script="ppo_tldr.py",
+                     config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
+    assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert abs(rows[0]["objective/kl"]) < 1e-3
