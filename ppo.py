@@ -257,7 +257,8 @@ class BatchSizes(NamedTuple):
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
-    """One optimizer step per minibatch (N+ detail; TRL's `per_device * GA` broke this when num_mini_batches > 1).
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
+    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
 
     local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
     local_batch_size      = local_mini_batch_size * num_mini_batches
@@ -960,9 +961,9 @@ def gathered_for_init(params):
 
 def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
-    engine (TRL's prepare_deepspeed). The model is called as before: DeepSpeed's hooks on its modules gather each one's
-    weights. The engine is kept on the model, since discarding it would remove the hooks; it is not handed out, because
-    its own attributes (`config` is DeepSpeed's) would shadow the model's."""
+    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
+    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
+    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
     import deepspeed
 
     config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
@@ -1314,7 +1315,7 @@ def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], devic
     return scores
 
 
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False) -> None:
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
     """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = config.architectures or []
@@ -1324,6 +1325,7 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
                          "(AutoModelForSequenceClassification with num_labels=1)")
     if is_classifier and config.num_labels != 1:
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
 
 
 def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:

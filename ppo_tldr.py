@@ -165,7 +165,8 @@ def in_interval(value: float, interval: str) -> bool:
                                                                        value < high)
 
 
-def check_args(args: Args) -> None:  # differs from ppo.py's: the TL;DR script's own flags
+# differs from ppo.py's: the TL;DR script's own flags
+def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
     for name, interval in FLAG_RANGES.items():
         value = getattr(args, name)
@@ -246,6 +247,16 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
     return logits
 
 
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
+    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
+    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
+    (benchmarks/throughput.py); this needs one uniform per row."""
+    cdf = probs.double().cumsum(-1)
+    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
     return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -296,9 +307,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
+    if estimator == "k2":
+        return 0.5 * logr**2
     if estimator == "k3":
         return torch.expm1(logr) - logr
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1 or k3")
+    if estimator == "abs":
+        return logr.abs()
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -396,6 +411,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
+# differs from ppo.py's: no frozen trunk: every block of the TL;DR policy trains
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
@@ -403,6 +419,7 @@ def policy_logits(policy, query_responses, pad_token_id, context_length):
     return out.logits[:, :-1]
 
 
+# differs from ppo.py's: no frozen trunk, no peft
 def scalar_outputs(scalar_model, query_responses, pad_token_id):
     """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
     backbone = getattr(scalar_model, scalar_model.base_model_prefix)
@@ -423,12 +440,14 @@ def score_bias(config) -> float:
     return float(bias)
 
 
+# differs from ppo.py's: no frozen trunk; the reward model's score bias (N+ detail 12)
 def value_forward(value_model, query_responses, pad_token_id, context_length):
     """values[:, t] is read at the hidden state just before response token t (minus the inherited `score_bias`)."""
     hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
 
 
+# differs from ppo.py's: the score bias (N+ detail 12)
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
     """The reward model's score at the last non-pad token of the response, its eos (N+ detail 12; the query part is
     left-padded, so only the response part is searched), minus `score_bias`. An all-pad response is scored at the last
@@ -439,6 +458,7 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     return scores - score_bias(reward_model.config)  # N+ detail 14: reference summaries average 0
 
 
+# differs from ppo.py's: logits out for the plain log-softmax path: no fused head, no value head
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
     TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
@@ -471,7 +491,8 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
         logits = scale_logits(out.logits[:, -1], temperature, pad_token_id)
-        token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+        token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
         tokens.append(token)
         logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
         if stop_token_id is not None:
@@ -486,8 +507,8 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    # Always response_length wide, as SFD's: the longest response's score then lands one past its eos, where the value
-    # bootstraps, and not on the eos itself (differs from ppo.py, which keeps TRL's width of the longest response)
+    # differs from ppo.py: always response_length wide (SFD), so the longest response's score lands past its eos
+
     width = response_length - len(tokens)
     return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
             F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
@@ -718,18 +739,23 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
     return config
 
 
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step).
-    A float64 checksum per process, compared across processes, catches a silent divergence at the update it happens.
-    Skipped under DeepSpeed, whose ZeRO stages shard state between processes."""
-    if accelerator.num_processes == 1 or accelerator.state.deepspeed_plugin is not None:
+def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
+    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
+    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
+    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
+    weights between processes, only the state is compared."""
+    if accelerator.num_processes == 1:
         return
-    checksum = sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-    gathered = accelerator.gather(checksum.reshape(1).to(accelerator.device))
+    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
+               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
+    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
+    gathered = accelerator.gather(local.unsqueeze(0))
     if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes' weights differ (checksums {gathered.tolist()})")
+        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
+                           f"moments): {gathered.tolist()}")
 
 
+# differs from ppo.py's: a score-bias column instead of notes
 def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
                  zero_stage: int = 0) -> None:
     """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
@@ -790,12 +816,9 @@ def main(args: Args) -> None:
     if zero3:  # the final save consolidates the shards into one loadable checkpoint
         ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if ds_plugin is not None:
-        # DeepSpeed clips inside its own step, from its config, and accelerate fills an "auto" there with 1.0: write
-        # --max-grad-norm into it (0 = off), or the flag would be ignored. With no DataLoader to read it from, DeepSpeed
-        # also needs the micro-batch size spelled out.
+        # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-        if ds_plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
@@ -884,22 +907,20 @@ def main(args: Args) -> None:
                                                                       **model_kwargs)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(device)
-        if ds_plugin is not None and half is not None and not zero3:
-            # DeepSpeed casts the policy's weights to half precision (and autocast is off): give the reference and
-            # the reward model the same dtype, as TRL's prepare_deepspeed and SFD's inference engines do, so that the
-            # KL starts at 0 instead of at the fp32-vs-bf16 rounding difference.
-            m.to(half)
     model = PolicyAndValueWrapper(policy, value_model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0)
+                                  eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     if zero3:  # the frozen models sharded too, in the trained models' precision
         for m in (ref_policy, reward_model):
             shard_frozen(m, accelerator.deepspeed_config)
+    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
+        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
+        for m in (ref_policy, reward_model):
+            m.to(dtype)
     # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -1136,7 +1157,7 @@ def main(args: Args) -> None:
             stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
             mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
             metrics = {
-                "eps": int((update - start_update + 1) * sizes.batch_size / (time.time() - start_time)),
+                "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
                 "objective/kl": mean_kl,
                 "objective/entropy": mean_entropy,
                 "objective/non_score_reward": mean_nsr,
@@ -1177,7 +1198,7 @@ def main(args: Args) -> None:
                 f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
                 ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
                  "objective/validation_score") if k in metrics))
-        check_replicas_agree(accelerator, model, update)
+        check_replicas_agree(accelerator, model, update, [])  # no controller state
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
                             args.save_total_limit)
