@@ -281,10 +281,10 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 # ----------------------------------------------------------------------------------------------------------------
 # Small pure helpers (tests/test_math.py checks each against a naive float64 loop)
 # ----------------------------------------------------------------------------------------------------------------
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
     return torch.min(zero_or_index, dim=-1).values
 
 
@@ -296,13 +296,13 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32: logits / (T + 1e-7), with the pad id never sampled.
+    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
 
     Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
     optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
     the response would silently end there, so it gets the lowest logit.
     """
-    logits = logits.float() / (temperature + 1e-7)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
     return logits
@@ -340,7 +340,7 @@ class HeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
         logprobs, lses, entropies = [], [], []
         for start in range(0, hidden.size(0), chunk_rows):
-            logits = HeadLogprobs.scaled_logits(hidden[start:start + chunk_rows], weight, temperature, pad_token_id)
+            logits = scale_logits(hidden[start:start + chunk_rows] @ weight.T, temperature, pad_token_id)
             lse = torch.logsumexp(logits, dim=-1)
             tok = tokens[start:start + chunk_rows].unsqueeze(-1)
             logprobs.append(logits.gather(-1, tok).squeeze(-1) - lse)
@@ -359,15 +359,6 @@ class HeadLogprobs(torch.autograd.Function):
         return torch.cat(logprobs), entropy
 
     @staticmethod
-    def scaled_logits(hidden, weight, temperature, pad_token_id):
-        """scale_logits(hidden @ weight.T), in float32 (float64 stays float64: the tests' references use it)."""
-        logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))
-        logits.div_(temperature + 1e-7)
-        if pad_token_id < logits.size(-1):
-            logits[..., pad_token_id] = torch.finfo(logits.dtype).min
-        return logits
-
-    @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, tokens, lse = ctx.saved_tensors
@@ -380,7 +371,7 @@ class HeadLogprobs(torch.autograd.Function):
             # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
             # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
             with torch.autocast(**ctx.autocast):
-                logits = HeadLogprobs.scaled_logits(h, weight, ctx.temperature, ctx.pad_token_id)
+                logits = scale_logits(h @ weight.T, ctx.temperature, ctx.pad_token_id)
             grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
             grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
             grad = grad.to(weight.dtype)
@@ -402,21 +393,16 @@ def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entrop
     return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    if axis is None:
-        return (values * mask).sum() / mask.sum()
-    return (values * mask).sum(axis) / mask.sum(axis)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum()
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The unbiased variance of the unmasked entries (TRL's)."""
     n = mask.sum()
-    if unbiased:
-        if n < 2:
-            raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
-        variance = variance * n / (n - 1)
-    return variance
+    if n < 2:
+        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:

@@ -220,10 +220,10 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 # Small pure helpers: the same as ppo.py's, which tests/test_math.py checks against naive float64 loops
 # (tests/test_tldr.py checks that these copies still compute what ppo.py's do)
 # ----------------------------------------------------------------------------------------------------------------
-def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
-    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    zero_or_index = row_len * (~bools).long() + torch.arange(row_len, device=bools.device)
     return torch.min(zero_or_index, dim=-1).values
 
 
@@ -235,13 +235,13 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32: logits / (T + 1e-7), with the pad id never sampled.
+    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
 
     Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
     optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
     the response would silently end there, so it gets the lowest logit.
     """
-    logits = logits.float() / (temperature + 1e-7)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
     return logits
@@ -268,21 +268,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    if axis is None:
-        return (values * mask).sum() / mask.sum()
-    return (values * mask).sum(axis) / mask.sum(axis)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum()
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The unbiased variance of the unmasked entries (TRL's)."""
     n = mask.sum()
-    if unbiased:
-        if n < 2:
-            raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
-        variance = variance * n / (n - 1)
-    return variance
+    if n < 2:
+        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:

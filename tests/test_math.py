@@ -187,11 +187,10 @@ def naive_batch_sizes(per_device, ga, n_mini, world, total):
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(1, 1), (4, 1), (3, 8), (7, 33), (2, 3, 5)])
 @pytest.mark.parametrize("p_true", [0.0, 0.1, 0.5, 1.0])
-@pytest.mark.parametrize("dtype", [torch.long, torch.int32])
-def test_first_true_indices(shape, p_true, dtype):
+def test_first_true_indices(shape, p_true):
     bools = torch.rand(shape, generator=gen(sum(shape) + int(10 * p_true))) < p_true
-    out = ppo.first_true_indices(bools, dtype=dtype)
-    assert out.shape == bools.shape[:-1] and out.dtype == dtype
+    out = ppo.first_true_indices(bools)
+    assert out.shape == bools.shape[:-1] and out.dtype == torch.long
     expected = [naive_first_true(r) for r in rows(bools)]
     assert out.reshape(-1).tolist() == expected
     if p_true == 0.0:
@@ -236,8 +235,8 @@ def test_scale_logits(shape, temperature, pad_offset, in_dtype):
     before = logits.clone()
     out = ppo.scale_logits(logits, temperature, pad)
     assert torch.equal(logits, before) and logits.dtype == in_dtype, "input modified in place"
-    assert out.dtype == torch.float32 and out.shape == logits.shape
-    fmin = torch.finfo(torch.float32).min
+    assert out.dtype == torch.promote_types(in_dtype, torch.float32) and out.shape == logits.shape  # float32 or wider
+    fmin = torch.finfo(out.dtype).min
     out_rows, in_rows = rows(out), rows(logits.double())
     for o, x in zip(out_rows, in_rows):
         for j in range(vocab):
@@ -463,10 +462,8 @@ SHAPES_2D = [(1, 2), (3, 5), (4, 17), (16, 64)]
 def test_masked_mean(shape, p_true):
     values = randn(shape, seed=shape[1], scale=5.0)
     mask = rand_mask(shape, seed=shape[0], p_true=p_true)
-    mask[:, 0] = True  # every row has an unmasked entry, for axis=1
+    mask[:, 0] = True  # at least one unmasked entry
     assert_close(ppo.masked_mean(values, mask), naive_mean(values.view(-1).tolist(), mask.view(-1).tolist()))
-    per_row = [naive_mean(v, m) for v, m in zip(values.tolist(), mask.tolist())]
-    assert_close(ppo.masked_mean(values, mask, axis=1), per_row)
     # masked entries do not matter at all
     other = values.masked_fill(~mask, 1e6)
     assert_close(ppo.masked_mean(other, mask), ppo.masked_mean(values, mask))
@@ -474,12 +471,12 @@ def test_masked_mean(shape, p_true):
 
 @pytest.mark.parametrize("shape", SHAPES_2D)
 @pytest.mark.parametrize("p_true", [0.2, 0.7, 1.0])
-@pytest.mark.parametrize("unbiased", [True, False])
-def test_masked_var(shape, p_true, unbiased):
+def test_masked_var(shape, p_true):
     values = randn(shape, seed=10 + shape[1], scale=3.0) + 2.0
     mask = rand_mask(shape, seed=shape[0] + 5, p_true=p_true)
-    expected = naive_var(values.view(-1).tolist(), mask.view(-1).tolist(), unbiased)
-    assert_close(ppo.masked_var(values, mask, unbiased=unbiased), expected)
+    mask[0, :2] = True  # at least two unmasked entries
+    expected = naive_var(values.view(-1).tolist(), mask.view(-1).tolist(), unbiased=True)
+    assert_close(ppo.masked_var(values, mask), expected)
 
 
 @pytest.mark.parametrize("n_true", [0, 1])
@@ -488,9 +485,7 @@ def test_masked_var_unbiased_needs_two_values(n_true):
     mask = torch.zeros(3, 4, dtype=torch.bool)
     mask[1, 2] = n_true == 1
     with pytest.raises(ValueError):
-        ppo.masked_var(values, mask, unbiased=True)
-    if n_true == 1:
-        assert_close(ppo.masked_var(values, mask, unbiased=False), 0.0)
+        ppo.masked_var(values, mask)
 
 
 @pytest.mark.parametrize("shape", SHAPES_2D)
