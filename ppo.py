@@ -75,8 +75,9 @@ class Args:
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
     """render prompts with the policy tokenizer's chat template (generation prompt appended); auto: message lists
     only; true: text prompts too, as one user turn; false: never (text prompts only)"""
-    eval_samples: int = 8
-    """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
+    eval_samples: int = 64
+    """prompts held out from the end of the split, never trained on: the held-out score (eval/scores) and the sample
+    tables (0: none)"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
     total_episodes: int = 384
@@ -170,8 +171,9 @@ class Args:
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    num_sample_generations: int = 10
-    """how many sample-generation tables to print over the run (0: none)"""
+    eval_every: int = 10
+    """score the held-out prompts every N updates, before the first and after the last (0: only those two); each
+    evaluation prints a sample table and appends it to samples.jsonl"""
     save_every: int = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
     save_total_limit: int | None = None
@@ -1088,6 +1090,12 @@ def as_messages(prompt) -> list[dict]:
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
+def prompt_text(prompt) -> str:
+    """A prompt as the dataset gave it, for people: the text, or a chat prompt's last user message."""
+    return prompt if isinstance(prompt, str) else next(
+        (m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
+
+
 def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
     """Token ids of each prompt: a string as it is, or (chat; default: when the prompts are message lists) a list of
     {"role", "content"} messages rendered by the tokenizer's chat template with the generation prompt appended (the
@@ -1324,6 +1332,9 @@ def main(args: Args) -> None:
     for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    for flag in ("eval_every", "eval_samples"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     # One optimizer step per minibatch of gradient_accumulation_steps micro-batches. There is no prepared DataLoader
     # (see `rollout_indices`): with one, accelerate would also step after every micro-batch of each update that used an
     # epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
@@ -1607,33 +1618,38 @@ def main(args: Args) -> None:
             [f"prompts: {'chat template' if chat else 'text'}; stop token id {stop_token_id}", *reward_lines,
              value_init])
 
-    def sample_table(title: str, update: int) -> None:
-        """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
-        Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
-        if args.eval_samples == 0:
-            return
+    def evaluate(update: int) -> dict:
+        """The held-out score: responses to the held-out prompts, sampled at the training temperature and scored by
+        every reward. Its own generator, seeded by the update, keeps it from shifting the training RNG. Every rank runs
+        all the prompts (the same weights and generator: the same responses; under ZeRO-3 the ranks sample in step);
+        rank 0 prints the sample table and appends every row to samples.jsonl."""
         model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
             gather = args.ds3_gather_for_generation
             with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                responses, _ = generate(sampler, eval_queries, pad_token_id, args.response_length, args.temperature,
-                                        stop_token_id, generator, synced)
+                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
+                                                args.temperature, stop_token_id, generator, synced)[0]
+                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
-            scores, components = score_responses(eval_queries, responses, eval_rows[args.dataset_prompt_column])
+            prompts = eval_rows[args.dataset_prompt_column]
+            scores, components = score_responses(eval_queries, responses, prompts)
         if accelerator.is_main_process:
-            rows = [{"query": q, "model response": r, "score": s, **dict(zip(components, c))} for q, r, s, c in zip(
-                tokenizer.batch_decode(eval_queries, skip_special_tokens=True),
-                [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist(),  # eos stays visible
-                torch.stack(list(components.values()), 1).tolist())]
-            print_sample_table(console, rows[:5], title)
-            with open(output_dir / "samples.jsonl", "a") as f:  # every row, with each reward's own score
-                f.writelines(json.dumps({"update": update, **row}) + "\n" for row in rows)
+            rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
+                    for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
+                                          scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
+            print_sample_table(console, rows[:5], f"held-out samples after update {update}")
+            with open(output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query and each reward's score
+                f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
+                    tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
             if args.track:
                 import wandb
 
                 wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+        n = scores.numel()
+        return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
+                **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
 
     def score_responses(queries: torch.Tensor, responses: torch.Tensor, prompts: list) -> tuple[torch.Tensor, dict]:
         """Scores of truncated responses: the weighted sum of every reward, and each reward's own scores by name.
@@ -1660,7 +1676,6 @@ def main(args: Args) -> None:
 
     chunk = args.local_rollout_forward_batch_size
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    sample_generations_freq = max(1, sizes.num_updates // max(1, args.num_sample_generations))
     start_time = time.time()
     checkpoints = output_dir / "checkpoints"
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -1668,14 +1683,26 @@ def main(args: Args) -> None:
                         disable=not accelerator.is_main_process)
     progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
     progress.start()
+
+    def log_metrics(update: int, metrics: dict) -> None:
+        """A row of metrics.jsonl, a TensorBoard point per metric (wandb syncs TensorBoard with --track), a console line."""
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+            metrics_file.flush()
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, update)
+            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
+                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in ("objective/scores", "objective/kl",
+                "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio", "eval/scores") if k in metrics))
+
+    if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
+        log_metrics(0, {"episode": 0, **evaluate(0)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         # learning rate: linear anneal to 0, once per update (N+ detail 29)
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if args.num_sample_generations > 0 and (update - 1) % sample_generations_freq == 0:
-            sample_table(f"samples before update {update}", update)
         indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
         batch_rows = train_dataset[indices.tolist()]
         queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
@@ -1920,18 +1947,13 @@ def main(args: Args) -> None:
             if args.use_score_scaling or args.use_score_norm:
                 metrics["objective/score_running_mean"] = score_moments.mean
                 metrics["objective/score_running_std"] = score_moments.std
+        if args.eval_samples > 0 and (update == sizes.num_updates or (args.eval_every and update % args.eval_every == 0)):
+            metrics.update(evaluate(update))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if args.kl_target is not None:  # after the PPO epochs, for the next update; from the rollout's gathered KL
             kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, sizes.batch_size)
-        if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, update)  # TensorBoard; wandb syncs it with --track
-            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
+        log_metrics(update, metrics)
         check_replicas_agree(accelerator, model, update, [kl_coef, score_moments.mean, score_moments.var])
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(
@@ -1941,8 +1963,6 @@ def main(args: Args) -> None:
         del (query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values,
              rewards, advantages, returns)
     progress.stop()
-    if args.num_sample_generations > 0:
-        sample_table("samples after training", sizes.num_updates + 1)
 
     # ============================================================================================================
     # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). With

@@ -33,7 +33,7 @@ SETUPS = {
 def measure(flags: list[str], updates: int, out: Path) -> dict:
     per_update = 16  # the default batch: 8 per micro-batch x 1 accumulation x 2 minibatches, one process
     cmd = [sys.executable, str(ROOT / "ppo.py"), "--total-episodes", str(per_update * updates),
-           "--num-sample-generations", "0", "--output-dir", str(out), *flags]
+           "--eval-samples", "0", "--output-dir", str(out), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:

@@ -244,9 +244,11 @@ def test_foreign_reward_model_scores_in_a_run_equal_plain_calls(combined_run, ch
     rm = AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).eval()
     eval_prompts = [json.loads(line)["prompt"] for line in chat["prompts"].read_text().splitlines()][-4:]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 8 and {s["update"] for s in samples} == {1, 3}  # before update 1, after training (2)
-    assert "samples after training" in proc.stdout and "rm_other" in proc.stdout
+    assert len(samples) == 8 and {s["update"] for s in samples} == {0, 2}  # before training, after the last update
+    assert "held-out samples after update 2" in proc.stdout and "rm_other" in proc.stdout
     for i, s in enumerate(samples):
+        # the table shows the user message; samples.jsonl keeps the rendered query (the template's system prompt)
+        assert s["prompt"] == eval_prompts[i % 4][-1]["content"] and s["prompt"] in s["query"] != s["prompt"]
         response = tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"],
                               skip_special_tokens=True)
         text = rm_tok.apply_chat_template(eval_prompts[i % 4] + [{"role": "assistant", "content": response}],
