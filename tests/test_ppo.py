@@ -27,7 +27,7 @@ def learning_args(assets, *extra):
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
             "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0",
-            "--eval-samples", "0", "--num-trainable-layers", "None", *extra]
+            "--eval-samples", "0", "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
 
 
 def quarter_means(rows, key="objective/scores"):
@@ -431,7 +431,7 @@ def test_reward_fn_loading_and_checks():
 def test_bad_input_is_refused(assets, tmp_path, overrides, message):
     fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
-                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4)
+                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4, shared_value_head=False)
     fields.update({k: {"RM": str(assets["rm"]), "SFT": str(assets["sft"])}.get(v, v) for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
@@ -500,5 +500,9 @@ def test_default_run_shortened(tmp_path):
     assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] == []  # the defaults were used
     assert len(rows) == 1 and -1 <= rows[0]["objective/scores"] <= 1
     assert (ROOT / ppo.DEFAULT_PROMPTS).exists() and (ROOT / "cache" / "SmolLM2-135M-Instruct.Q4_1").is_dir()
-    assert "samples after training" in proc.stdout
+    first, last = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert first["update"] == 0 and all(-1 <= r["eval/scores"] <= 1 for r in (first, last))  # held-out, 2 prompts
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
+    assert samples[0]["prompt"].startswith("Continue this movie review: ")  # the user message, not the template
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"
