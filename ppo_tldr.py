@@ -27,6 +27,7 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
@@ -928,8 +929,9 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
 
-    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint); wandb with --track
-    metrics_file = None
+    # tracking: metrics.jsonl and TensorBoard always (a resumed run drops the rows logged after its checkpoint); wandb
+    # with --track
+    metrics_file = writer = None
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         # the tokenizer as given (left padding, no [PAD]: the [PAD] above is a training-time device only)
@@ -940,6 +942,7 @@ def main(args: Args) -> None:
                                   else []) if json.loads(line)["update"] < start_update]
         write_atomic(metrics_path, "".join(line + "\n" for line in kept))
         metrics_file = open(metrics_path, "a")
+        writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder, as ppo.py
         if args.track:
             import wandb
 
@@ -1187,6 +1190,8 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
             metrics_file.flush()
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, update)
             if args.track:
                 wandb.log(metrics, step=update)
             progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
@@ -1214,6 +1219,7 @@ def main(args: Args) -> None:
                                 state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
                                             if k.startswith(name + ".")})
         metrics_file.close()
+        writer.close()
         if args.track:
             wandb.finish()
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")

@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the LoRA settings of the README's learning run (lr for an adapter, not full weights)
 LORA = ["--use-peft", "--lora-target-modules", "all-linear", "--learning-rate", "2e-4"]
 SETUPS = {
-    "policy + reference + value model (default)": [],
-    "the same, all weights trained (--num-trainable-layers None)": ["--num-trainable-layers", "None"],
-    "--use-peft": LORA,
+    "policy + reference + value model (--no-shared-value-head)": ["--no-shared-value-head"],
+    "the same, all weights trained (--num-trainable-layers None)": ["--no-shared-value-head", "--num-trainable-layers",
+                                                                     "None"],
+    "--use-peft": LORA + ["--no-shared-value-head"],
     "--use-peft --shared-value-head": LORA + ["--shared-value-head"],
     "--use-peft --shared-value-head --gradient-checkpointing": LORA + ["--shared-value-head",
                                                                        "--gradient-checkpointing"],
@@ -33,7 +34,7 @@ SETUPS = {
 def measure(flags: list[str], updates: int, out: Path) -> dict:
     per_update = 16  # the default batch: 8 per micro-batch x 1 accumulation x 2 minibatches, one process
     cmd = [sys.executable, str(ROOT / "ppo.py"), "--total-episodes", str(per_update * updates),
-           "--num-sample-generations", "0", "--output-dir", str(out), *flags]
+           "--eval-samples", "0", "--output-dir", str(out), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:

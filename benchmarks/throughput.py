@@ -34,11 +34,11 @@ HPARAMS = dict(per_device_train_batch_size=32, gradient_accumulation_steps=1, nu
                temperature=0.7,  # TRL's default (also ppo.py's)
                kl_coef=0.05,  # TRL's default
                learning_rate=3e-6,  # TRL's default (ppo.py's is 3e-5)
-               num_sample_generations=0,  # no sample tables in either
                seed=1)
 # TRL defaults ppo.py already has: kl_estimator k1, cliprange 0.2, vf_coef 0.1, cliprange_value 0.2, gamma 1.0,
 # lam 0.95, whiten_rewards False, no entropy bonus. ppo.py extra flags: --num-trainable-layers None (all weights train,
-# as in TRL), --eval-samples 0 (all 256 prompts train, as in TRL). Left as they differ by design (README, "differences
+# as in TRL), --eval-samples 0 (all 256 prompts train, no sample tables: TRL's num_sample_generations 0),
+# --no-shared-value-head (a value model, as in TRL). Left as they differ by design (README, "differences
 # from TRL"): ppo.py clips the gradient norm at 1.0 (TRL accepts max_grad_norm but never clips: a little more work for
 # ppo.py), and anneals the learning rate per update with AdamW eps 1e-5 (TRL: 1e-8); neither changes the work.
 
@@ -191,7 +191,7 @@ def ppo_command(script: str, paths: dict, episodes: int, output_dir: Path) -> li
     flags = {**HPARAMS, "total_episodes": episodes}
     cmd = [sys.executable, script, "--sft-model-path", str(paths["policy"]), "--reward-model-path",
            str(paths["reward"]), "--dataset-name", str(paths["prompts"]), "--output-dir", str(output_dir),
-           "--num-trainable-layers", "None", "--eval-samples", "0"]
+           "--num-trainable-layers", "None", "--eval-samples", "0", "--no-shared-value-head"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     return cmd
@@ -214,7 +214,8 @@ def run_trl(args: Args, paths: dict, run: int) -> dict:
     result = out / "result.json"
     cmd = [args.trl_python, str(ROOT / "benchmarks" / "trl_ppo.py"), "--policy", str(paths["policy"]), "--reward",
            str(paths["reward"]), "--prompts", str(paths["prompts"]), "--output-dir", str(out), "--episodes",
-           str(args.episodes), "--hparams", json.dumps(HPARAMS), "--result", str(result)]
+           str(args.episodes), "--hparams", json.dumps({**HPARAMS, "num_sample_generations": 0}), "--result",
+           str(result)]
     wall, cpu, rss = run_child(cmd, out.with_suffix(".log"), args.threads)
     loop = json.loads(result.read_text())["train_s"]
     return dict(trainer="TRL 1.12", loop_s=loop, wall_s=wall, cpu_s=cpu, peak_rss_mb=rss, eps=args.episodes / loop)

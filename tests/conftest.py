@@ -96,17 +96,18 @@ def assets(tmp_path_factory):
 
 TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
         "--num-mini-batches", "2", "--num-ppo-epochs", "2", "--local-rollout-forward-batch-size", "8",
-        "--response-length", "8", "--eval-samples", "4", "--num-sample-generations", "1", "--learning-rate", "1e-3",
-        "--num-trainable-layers", "None"]  # train every block of the 2-block test models
+        "--response-length", "8", "--eval-samples", "4", "--eval-every", "0", "--learning-rate", "1e-3",
+        "--num-trainable-layers", "None",  # train every block of the 2-block test models
+        "--no-shared-value-head"]  # a value model, as TRL (the default run's shared head: tests/test_lora.py)
 
 
 REWARD_FN = "tests/rewards.py:target_word_fraction"  # the learnable toy reward of tests/rewards.py
 
 
 def tiny_args(assets, *extra, reward_fn=REWARD_FN):
-    """Flags for a short ppo.py run on the tiny assets (no sample tables unless `extra` asks)."""
+    """Flags for a short ppo.py run on the tiny assets (held-out samples before training and after the last update)."""
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", reward_fn, "--dataset-name", str(assets["prompts"]),
-            "--dataset-train-split", "train", *TINY, "--num-sample-generations", "0", *extra]
+            "--dataset-train-split", "train", *TINY, *extra]
 
 
 def without_wall_clock(rows):
@@ -126,15 +127,20 @@ def assert_same_run(rows, reference, rel=1e-5):
 
 
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
-    """Run `python ppo.py ...` in a subprocess; return (completed process, list of metrics rows)."""
+    """Run `python ppo.py ...` in a subprocess; return (completed process, the metrics rows of its updates: the
+    held-out evaluation before training, row 0 of metrics.jsonl, is left out)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run([sys.executable, str(ROOT / script), "--output-dir", str(output_dir), *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"ppo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     metrics_path = output_dir / "metrics.jsonl"
+    return proc, update_rows(metrics_path)
+
+
+def update_rows(metrics_path: Path) -> list[dict]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    return proc, rows
+    return [row for row in rows if row["update"] > 0]
 
 
 def free_port():
@@ -162,4 +168,4 @@ def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_fl
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = output_dir / "metrics.jsonl"
-    return proc, [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return proc, update_rows(metrics)

@@ -22,3 +22,13 @@ def explodes_after_first_update(prompts, responses):
     global _calls
     _calls += 1
     return [1e38 if _calls > 2 else 0.0] * len(responses)
+
+
+def logged_target_word_fraction(prompts, responses):
+    """target_word_fraction, appending each call's prompts as one JSON line to $PROMPT_LOG (what each batch scored)."""
+    import json
+    import os
+
+    with open(os.environ["PROMPT_LOG"], "a") as f:
+        f.write(json.dumps(prompts) + "\n")
+    return target_word_fraction(prompts, responses)

@@ -36,7 +36,7 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     args = args_for(assets, "--total-episodes", "64", "--save-every", "2",  # 4 updates, checkpoints at 2 and 4
                     "--kl-target", "0.5", "--kl-horizon", "100", "--use-score-norm",  # controller state resumes too
-                    "--num-sample-generations", "4", "--eval-samples", "2")  # a sample table before every update
+                    "--eval-every", "1", "--eval-samples", "2")  # a held-out evaluation after every update
     _, uninterrupted = run_ppo(args, full)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["latest", "update-000002", "update-000004"]
     shutil.copytree(full, resumed)  # the same folder, as a run killed after update 3 would have left it
@@ -51,7 +51,7 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
     assert without_wall_clock(rows) == without_wall_clock(uninterrupted)
     samples, expected = ([json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
                          for run in (resumed, full))  # update 3's table dropped and written again, once
-    assert [r["update"] for r in expected] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5] and samples == expected
+    assert [r["update"] for r in expected] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4] and samples == expected
     for name in ("model.safetensors", "value_model/model.safetensors"):  # and the same final weights
         assert torch.equal(flat_weights(full / name), flat_weights(resumed / name))
 

@@ -124,8 +124,8 @@ def test_adaptive_beta_moves_toward_the_target_from_both_sides(assets, tmp_path,
 
 
 def test_fixed_beta_without_a_target(assets, tmp_path):
-    _, rows = run_ppo(args_for(assets, "--total-episodes", "32", "--kl-estimator", "k2", "--kl-horizon", "50"),
-                      tmp_path / "run")
+    _, rows = run_ppo(args_for(assets, "--total-episodes", "32", "--kl-estimator", "k2", "--kl-horizon", "50",
+                               "--kl-coef", "0.05"), tmp_path / "run")
     assert [r["objective/kl_coef"] for r in rows] == [0.05, 0.05]
 
 

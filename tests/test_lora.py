@@ -193,7 +193,7 @@ def test_saved_adapter_and_value_head_reload(shared_head_run, llama):
 # ---------------------------------------------------------------------------------------------------------------
 def test_gradient_checkpointing_run_matches(assets, tmp_path):
     args = tiny_args(assets, "--use-peft", "--num-trainable-layers", "1", "--lora-dropout", "0.1",
-                     "--total-episodes", "16", "--num-sample-generations", "1")  # samples after training: eval mode
+                     "--total-episodes", "16")  # held-out samples after training: eval mode
     _, plain = run_ppo(args, tmp_path / "plain")
     _, checkpointed = run_ppo(args + ["--gradient-checkpointing"], tmp_path / "gc")
     assert without_wall_clock(plain) == without_wall_clock(checkpointed)

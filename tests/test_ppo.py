@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import os
 import re
 
 import pytest
@@ -25,8 +26,9 @@ def learning_args(assets, *extra):
     """The learning-test configuration: 30 updates of 16 responses, rewarded for the word 'w7'."""
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
-            "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0",
-            "--num-sample-generations", "0", "--eval-samples", "0", "--num-trainable-layers", "None", *extra]
+            "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8",
+            "--learning-rate", "3e-3", "--temperature", "1.0", "--kl-coef", "0.05", "--eval-samples", "0",
+            "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
 
 
 def quarter_means(rows, key="objective/scores"):
@@ -79,7 +81,7 @@ def test_run_saves_loadable_models_and_args(rm_run, assets):
     assert any(not torch.equal(a, b) for a, b in zip(policy.state_dict().values(), initial.state_dict().values()))
     initial_value = AutoModelForSequenceClassification.from_pretrained(assets["rm"])
     assert any(not torch.equal(a, b) for a, b in zip(value.state_dict().values(), initial_value.state_dict().values()))
-    assert "samples before update 1" in proc.stdout and "samples after training" in proc.stdout
+    assert "held-out samples after update 0" in proc.stdout and "held-out samples after update 2" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,10 +110,75 @@ def test_same_seed_same_metrics(assets, tmp_path):
     assert without_wall_clock(runs[0]) != without_wall_clock(runs[2])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the held-out evaluation: never trained on, logged as scored, deterministic, and it leaves the training RNG alone
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_runs(assets, tmp_path_factory):
+    """Three 3-update runs, every reward call's prompts logged: held-out scores after every update (twice), and only
+    before training and after the last update."""
+    root = tmp_path_factory.mktemp("eval")
+    for name, every in (("a", "1"), ("b", "1"), ("ends", "0")):
+        os.environ["PROMPT_LOG"] = str(root / f"{name}.prompts.jsonl")
+        try:
+            run_ppo(common(assets, "--reward-fn", "tests/rewards.py:logged_target_word_fraction", "--total-episodes",
+                           "48", "--eval-every", every), root / name)
+        finally:
+            del os.environ["PROMPT_LOG"]
+    return {name: ([json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()],
+                   [json.loads(line) for line in (root / name / "samples.jsonl").read_text().splitlines()],
+                   [json.loads(line) for line in (root / f"{name}.prompts.jsonl").read_text().splitlines()])
+            for name in ("a", "b", "ends")}
+
+
+def test_eval_prompts_are_never_trained_on(eval_runs, assets):
+    rows, _, calls = eval_runs["a"]
+    held_out = [json.loads(line)["prompt"] for line in assets["prompts"].read_text().splitlines()][-4:]
+    assert [r["update"] for r in rows if "eval/scores" in r] == [0, 1, 2, 3]
+    assert [c for c in calls if len(c) == 4] == [held_out] * 4  # the evaluations: the last 4 prompts, in order
+    rollouts = [c for c in calls if len(c) == 16]
+    assert len(rollouts) == 3 and not set(held_out) & {p for c in rollouts for p in c}
+
+
+def test_eval_score_is_the_reward_of_the_logged_texts(eval_runs, assets):
+    import statistics
+
+    from rewards import target_word_fraction
+
+    rows, samples, _ = eval_runs["a"]
+    tok = AutoTokenizer.from_pretrained(assets["sft"])
+    for row in (r for r in rows if "eval/scores" in r):
+        table = [s for s in samples if s["update"] == row["update"]]
+        responses = [tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"],
+                                skip_special_tokens=True) for s in table]  # as the reward saw them: eos dropped
+        scores = target_word_fraction([s["prompt"] for s in table], responses)
+        assert scores == pytest.approx([s["score"] for s in table], abs=1e-6)
+        assert row["eval/scores"] == pytest.approx(sum(scores) / 4, abs=1e-6)
+        assert row["eval/scores/logged_target_word_fraction"] == pytest.approx(row["eval/scores"], abs=1e-6)
+        assert row["eval/scores_se"] == pytest.approx(statistics.stdev(scores) / 2, abs=1e-6)
+    assert len({s["model response"] for s in samples}) > 1
+
+
+def test_eval_is_deterministic_and_leaves_training_alone(eval_runs):
+    (a, a_samples, _), (b, b_samples, _), (ends, ends_samples, _) = eval_runs.values()
+    assert without_wall_clock(a) == without_wall_clock(b) and a_samples == b_samples
+    # evaluating after every update or only at the ends: the same training, and the same scores where both evaluate
+    training = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in without_wall_clock(a)]
+    assert training == [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in without_wall_clock(ends)]
+    assert [r for r in a_samples if r["update"] in (0, 3)] == ends_samples
+
+
+def test_sample_tables_show_the_prompt_as_the_dataset_gave_it():
+    assert ppo.prompt_text("a movie review") == "a movie review"
+    chat = [{"role": "system", "content": "You are a helpful AI assistant"}, {"role": "user", "content": "Continue"}]
+    assert ppo.prompt_text(chat) == "Continue"
+    assert ppo.prompt_text(chat + [{"role": "assistant", "content": "Sure:"}]) == "Continue"  # the last user message
+
+
 def test_zero_learning_rate_ratio_is_one(assets, tmp_path):
     """Rollout log-probs (KV-cache sampling), reference and training forwards agree: with lr 0, ratio = 1, KL = 0."""
     _, rows = run_ppo(common(assets, "--reward-fn", REWARD_FN, "--learning-rate", "0", "--stop-token", "eos",
-                             "--num-sample-generations", "0"), tmp_path / "run")
+                             "--eval-samples", "0"), tmp_path / "run")
     for r in rows:
         assert abs(r["val/ratio"] - 1) < 1e-5 and r["val/ratio_var"] < 1e-10
         assert abs(r["objective/kl"]) < 1e-4 and r["policy/approxkl_avg"] < 1e-10
@@ -120,7 +187,7 @@ def test_zero_learning_rate_ratio_is_one(assets, tmp_path):
 
 def test_gradient_clipping_is_applied(assets, tmp_path):
     """A tiny max_grad_norm leaves the weights (almost) where they were; without clipping they move."""
-    args = common(assets, "--reward-fn", REWARD_FN, "--num-sample-generations", "0", "--total-episodes", "16",
+    args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "0", "--total-episodes", "16",
                   "--stop-token", "None")
     initial = AutoModelForCausalLM.from_pretrained(assets["sft"]).state_dict()
 
@@ -147,7 +214,7 @@ def test_llama_in_vocab_pad_and_stop_token_id(tmp_path, assets):
 
 
 def test_num_trainable_layers_trains_only_the_top_block(assets, tmp_path):
-    run_ppo(common(assets, "--reward-fn", REWARD_FN, "--num-trainable-layers", "1", "--num-sample-generations", "0",
+    run_ppo(common(assets, "--reward-fn", REWARD_FN, "--num-trainable-layers", "1", "--eval-samples", "0",
                    "--total-episodes", "16"), tmp_path / "run")
     initial = AutoModelForCausalLM.from_pretrained(assets["sft"]).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run").state_dict()
@@ -371,6 +438,8 @@ def test_reward_fn_loading_and_checks():
     (dict(dataset_prompt_column="question"), "is not in"),
     (dict(reward_fn=None, reward_model_path="SFT"), "not a sequence classifier"),
     (dict(num_mini_batches=0), "--num-mini-batches 0 is out of range"),
+    (dict(eval_every=-1), "--eval-every -1 is out of range"),
+    (dict(eval_samples=60), "too few for --eval-samples 60"),
     (dict(per_device_train_batch_size=64), "too few"),
     (dict(response_length=125), "exceeds the model's 128 positions"),
     (dict(num_trainable_layers=3), "the model has 2 transformer blocks"),
@@ -392,7 +461,7 @@ def test_bad_input_is_refused(assets, tmp_path, monkeypatch, overrides, message)
     overrides = {k: str(tmp_path / "empty.jsonl") if v == "EMPTY" else v for k, v in overrides.items()}
     fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
-                  per_device_train_batch_size=4, num_trainable_layers=None)
+                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4, shared_value_head=False)
     fields.update({k: {"RM": str(assets["rm"]), "SFT": str(assets["sft"])}.get(v, v) for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
@@ -421,7 +490,7 @@ def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
     tok.save_pretrained(tmp_path / "sft")
     _, rows = run_ppo(["--sft-model-path", str(tmp_path / "sft"), "--reward-fn", REWARD_FN, "--dataset-name",
                        str(assets["prompts"]), "--dataset-train-split", "train", *TINY, "--stop-token", "eos",
-                       "--num-sample-generations", "0", "--learning-rate", "0"], tmp_path / "run")
+                       "--eval-samples", "0", "--learning-rate", "0"], tmp_path / "run")
     # with a distinct pad, a response ending in eos keeps its eos: some responses end there, and ratio stays 1
     assert sum(r["val/num_eos_tokens"] for r in rows) > 0
     assert all(abs(r["val/ratio"] - 1) < 1e-5 for r in rows)
@@ -461,5 +530,9 @@ def test_default_run_shortened(tmp_path):
     assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] == []  # the defaults were used
     assert len(rows) == 1 and -1 <= rows[0]["objective/scores"] <= 1
     assert (ROOT / ppo.DEFAULT_PROMPTS).exists() and (ROOT / "cache" / "SmolLM2-135M-Instruct.Q4_1").is_dir()
-    assert "samples after training" in proc.stdout
+    first, last = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert first["update"] == 0 and all(-1 <= r["eval/scores"] <= 1 for r in (first, last))  # held-out, 2 prompts
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
+    assert samples[0]["prompt"].startswith("Continue this movie review: ")  # the user message, not the template
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"

@@ -244,9 +244,11 @@ def test_foreign_reward_model_scores_in_a_run_equal_plain_calls(combined_run, ch
     rm = AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).eval()
     eval_prompts = [json.loads(line)["prompt"] for line in chat["prompts"].read_text().splitlines()][-4:]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 8 and {s["update"] for s in samples} == {1, 3}  # before update 1, after training (2)
-    assert "samples after training" in proc.stdout and "rm_other" in proc.stdout
+    assert len(samples) == 8 and {s["update"] for s in samples} == {0, 2}  # before training, after the last update
+    assert "held-out samples after update 2" in proc.stdout and "rm_other" in proc.stdout
     for i, s in enumerate(samples):
+        # the table shows the user message; samples.jsonl keeps the rendered query (the template's system prompt)
+        assert s["prompt"] == eval_prompts[i % 4][-1]["content"] and s["prompt"] in s["query"] != s["prompt"]
         response = tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"],
                               skip_special_tokens=True)
         text = rm_tok.apply_chat_template(eval_prompts[i % 4] + [{"role": "assistant", "content": response}],
@@ -292,7 +294,7 @@ def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_pat
              "NO_TEMPLATE": bad_assets["rm_no_template"], "PLAIN_SFT": assets["sft"], "PLAIN_PROMPTS": assets["prompts"]}
     fields = dict(sft_model_path=str(chat["sft"]), reward_fn=REWARD_FN, dataset_name=str(chat["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
-                  per_device_train_batch_size=4, num_trainable_layers=None)
+                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4)
     fields.update({k: str(named[v]) if isinstance(v, str) and v in named else v for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))

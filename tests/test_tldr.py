@@ -357,6 +357,17 @@ def test_run_logs_every_trl_metric_and_the_validation_scores(tldr_run):
     assert rows[1]["objective/reference_score"] == rows[3]["objective/reference_score"]  # the references don't move
 
 
+def test_run_logs_every_metric_to_tensorboard(tldr_run):
+    """The same scalars as metrics.jsonl, validation included, in TensorBoard event files of the run folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, rows, _ = tldr_run
+    events = EventAccumulator(str(out)).Reload()
+    assert set(events.Tags()["scalars"]) == {k for r in rows for k in r if k != "update"}
+    assert [e.value for e in events.Scalars("objective/validation_score")] == pytest.approx(
+        [r["objective/validation_score"] for r in rows if "objective/validation_score" in r])
+
+
 def test_run_saves_eval_tables_that_match_the_logged_scores(tldr_run, tldr):
     out, proc, rows, _ = tldr_run
     first_five = tldr["valid_rows"][:5]  # --eval-samples 5: the validation file's first 5 posts
