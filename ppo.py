@@ -107,7 +107,7 @@ class Args:
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.1
+    kl_coef: float = 0.2
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
