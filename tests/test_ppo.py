@@ -27,7 +27,8 @@ def learning_args(assets, *extra):
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
             "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0",
-            "--eval-samples", "0", "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
+            "--eval-samples", "0", "--num-trainable-layers", "None", "--no-shared-value-head", "--kl-coef", "0.05",
+            *extra]
 
 
 def quarter_means(rows, key="objective/scores"):
