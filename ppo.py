@@ -1695,8 +1695,9 @@ def main(args: Args) -> None:
             for k, v in metrics.items():
                 writer.add_scalar(k, v, update)
             progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in ("objective/scores", "objective/kl",
-                "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio", "eval/scores") if k in metrics))
+                f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in (
+                    "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                    "eval/scores") if k in metrics))
 
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
         log_metrics(0, {"episode": 0, **evaluate(0)})
