@@ -110,7 +110,7 @@ class Args:
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.1
+    kl_coef: float = 0.2
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
@@ -1752,8 +1752,9 @@ def main(args: Args) -> None:
             for k, v in metrics.items():
                 writer.add_scalar(k, v, update)
             progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in ("objective/scores", "objective/kl",
-                "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio", "eval/scores") if k in metrics))
+                f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in (
+                    "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                    "eval/scores") if k in metrics))
 
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
         log_metrics(0, {"episode": 0, **evaluate(0)})

@@ -1,6 +1,6 @@
 """Plot and summarise runs of ppo.py or ppo_tldr.py from their metrics.jsonl (and samples.jsonl) files.
 
-    python benchmarks/plot_runs.py runs/default-seed* --label default runs/lr1e-5-* --label "lr 1e-5" -o cmp.png
+    python benchmarks/plot_runs.py -o cmp.png runs/default-seed* --label default runs/lr1e-5-* --label "lr 1e-5"
 
 Each group of run folders (shell globs work) ends with `--label NAME`; a run without a label is a group of its own. The plot has
 the held-out score (eval/scores, or ppo_tldr.py's objective/validation_score), the training score and the KL per
@@ -46,8 +46,8 @@ def drift_share(samples: list[dict], update: int) -> float | None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("items", nargs="+", help="run folders (globs), each group followed by --label NAME")
-    parser.add_argument("-o", "--output", default="runs.png")
+    parser.add_argument("-o", "--output", default="runs.png", help="the PNG to write (give it before the runs)")
+    parser.add_argument("items", nargs=argparse.REMAINDER, help="run folders (globs), each group followed by --label NAME")
     args, groups, current = parser.parse_args(), {}, []
     items = iter(args.items)
     for item in items:  # argparse cannot interleave, so --label is read here
