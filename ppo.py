@@ -1520,12 +1520,12 @@ def trunk_rows(trunk, rows):
     return None if trunk is None else (trunk[0][rows], trunk[1])
 
 
-def reference_and_values(models: Models, policy: nn.Module, value_model: nn.Module | None, value_head,
-                         query_responses: torch.Tensor, response_ids: torch.Tensor, context_length: int, args: Args,
-                         pad_token_id: int):
+def reference_and_values(models: Models, unwrapped: PolicyAndValueWrapper, query_responses: torch.Tensor,
+                         response_ids: torch.Tensor, context_length: int, args: Args, pad_token_id: int):
     """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and
     the frozen trunks (policy's, value's) this update's later forwards start from."""
     ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
+    policy, value_model, value_head = unwrapped.policy, unwrapped.value_model, unwrapped.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
     chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
     for i in range(0, query_responses.size(0), chunk):
@@ -1535,8 +1535,9 @@ def reference_and_values(models: Models, policy: nn.Module, value_model: nn.Modu
         value_trunk = policy_trunk if models.value_shares_trunk else with_trunk(value_model, qr, pad_token_id,
                                                                                models.num_frozen, "value")
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
-        with reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default") if args.use_peft \
-                else nullcontext():
+        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
+                     if args.use_peft else nullcontext())
+        with reference:
             if full:  # the policy's whole distribution too, one chunk at a time
                 ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, policy_trunk),
                                        args.temperature, pad_token_id)
@@ -1573,20 +1574,28 @@ def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args
     return scores
 
 
-def minibatch_ratio(accelerator: Accelerator, model: nn.Module, micro_batches: list, query_responses, response_ids,
-                    logprobs, padding_mask, policy_trunk, context_length: int, args: Args, pad_token_id: int,
-                    fused_head: bool) -> float:
-    """The masked mean ratio of a whole minibatch over all processes, from a no-grad forward (--ratio-threshold)."""
+def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
+                      response_ids, logprobs, padding_mask, policy_trunk, pad_token_id: int) -> bool:
+    """--ratio-threshold: whether a minibatch's masked mean ratio over all processes, from a no-grad forward, exceeds
+    the threshold; then every process skips it whole (classic TRL zeroed the loss but still stepped Adam)."""
+    if args.ratio_threshold is None:
+        return False
     total = torch.zeros(2, device=accelerator.device)
+    context_length = query_responses.size(1) - response_ids.size(1)
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
-            new = response_logprobs(accelerator.unwrap_model(model).policy, query_responses[mbi], pad_token_id,
+            new = response_logprobs(accelerator.unwrap_model(models.model).policy, query_responses[mbi], pad_token_id,
                                     context_length, response_ids[mbi], args.temperature,
-                                    trunk_rows(policy_trunk, mbi), fused=fused_head)[0]
+                                    trunk_rows(policy_trunk, mbi), fused=models.fused_head)[0]
             real = ~padding_mask[mbi]
             total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1]).item() > args.ratio_threshold
+
+
+def target_kl_reached(accelerator: Accelerator, args: Args, approxkl: torch.Tensor) -> bool:
+    """--target-kl: checked after every minibatch, on all processes together (classic TRL: once per epoch)."""
+    return args.target_kl is not None and bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl)
 
 
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
@@ -1903,10 +1912,8 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
-            unwrapped = accelerator.unwrap_model(model)
             ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
-                models, unwrapped.policy, unwrapped.value_model, unwrapped.value_head, query_responses, response_ids,
-                context_length, args, pad_token_id)
+                models, accelerator.unwrap_model(model), query_responses, response_ids, context_length, args, pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses,
                                                        batch_rows[args.dataset_prompt_column])
@@ -1921,10 +1928,8 @@ def main(args: Args) -> None:
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            if args.kl_estimator == "full":
-                kl = full_kl_per_token.masked_fill(padding_mask, 0)
-            else:
-                kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            kl = (full_kl_per_token.masked_fill(padding_mask, 0) if args.kl_estimator == "full" else
+                  kl_penalty(logprobs, ref_logprobs, args.kl_estimator))  # 0 at padding: both logprobs are 1.0
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             if args.whiten_rewards:
                 rewards = whiten_rewards(rewards, padding_mask_p1)
@@ -1950,10 +1955,8 @@ def main(args: Args) -> None:
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
                 micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
-                # ratio guard: skip the whole minibatch on every process (classic TRL zeroed the loss but still stepped)
-                if args.ratio_threshold is not None and minibatch_ratio(
-                        accelerator, model, micro_batches, query_responses, response_ids, logprobs, padding_mask,
-                        policy_trunk, context_length, args, pad_token_id, models.fused_head) > args.ratio_threshold:
+                if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
+                                     padding_mask, policy_trunk, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 for micro_idx, mbi in enumerate(micro_batches):
@@ -1988,10 +1991,8 @@ def main(args: Args) -> None:
                                 stats[k][idx] = v.detach()
                             trained[idx] = True
                     del new_logprobs, entropy, vpred, loss
-                # target KL: stop after any minibatch, on all processes together (classic TRL: once per epoch)
-                if args.target_kl is not None and accelerator.reduce(
-                        stats["approxkl"][ppo_epoch_idx, minibatch_idx].mean(), "mean") > args.target_kl:
-                    stop_early = True
+                stop_early = target_kl_reached(accelerator, args, stats["approxkl"][ppo_epoch_idx, minibatch_idx])
+                if stop_early:
                     break
         time_training = time.perf_counter() - timer
 
