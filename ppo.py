@@ -185,10 +185,10 @@ class Args:
             setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
 
 
+# the valid interval of every numeric flag ("[" and "]" include the bound); a None that a flag allows is no value
 FLAG_RANGES = {
     "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)",
-    "total_episodes": "[1, inf)",
-    "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
+    "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
     "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
     "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
     "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
@@ -199,9 +199,8 @@ FLAG_RANGES = {
     "save_total_limit": "[1, inf)",
 }
 
+
 # ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
-
-
 class BatchSizes(NamedTuple):
     world_size: int
     local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
@@ -484,9 +483,8 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
         clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), mask)
     return loss, clipfrac
 
+
 # ---- Set-up: every check before any model loads ----------------------------------------------------------------------
-
-
 def in_interval(value: float, interval: str) -> bool:
     """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
     low, high = (float(bound) for bound in interval[1:-1].split(","))
@@ -538,7 +536,7 @@ def check_sft_adapters(args: Args, sft_adapters: dict[str, Path]) -> None:
                          f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
 
 
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False) -> None:
     """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = config.architectures or []
@@ -548,7 +546,6 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
                          "(AutoModelForSequenceClassification with num_labels=1)")
     if is_classifier and config.num_labels != 1:
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
 
 
 def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
@@ -746,11 +743,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
                               eos_check_id, train_dataset, eval_rows, rewards)
 
+
 # ---- Model forwards -------------------------------------------------------------------------------------------------
 # pad ids never reach an embedding (they become 0, masked out of attention), so an added [PAD] needs no resize
 # (N+ detail 6); explicit position ids keep left padding correct
-
-
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -943,9 +939,8 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
                      past_key_values=out.past_key_values, use_cache=True)
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
+
 # ---- Loading the models: LoRA, a value head, frozen blocks, DeepSpeed ------------------------------------------------
-
-
 @dataclass
 class Models:
     """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
@@ -1044,7 +1039,7 @@ def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], f
     return policy
 
 
-def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
+def resolve_model_path(path: str) -> str:
     """A hub id or directory as it is; a GGUF file (or `package/file.gguf`) dequantised once into cache/."""
     if not path.endswith(".gguf"):
         # a path that cannot be a hub id ('name' or 'namespace/name') must exist: else the hub client's complaint
@@ -1061,7 +1056,7 @@ def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
         gguf = Path(spec.submodule_search_locations[0]) / inner
         if not gguf.is_file():
             raise ValueError(f"{path}: package {package!r} has no file {inner!r}")
-    out = Path(cache_dir) / gguf.stem
+    out = Path("cache") / gguf.stem
     if not (out / "config.json").exists():
         print(f"converting {gguf} to {out} (once)")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -1226,9 +1221,8 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
     else:
         yield policy, zero3
 
+
 # ---- Prompts and rewards ---------------------------------------------------------------------------------------------
-
-
 def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
     """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file."""
     path = Path(name)
@@ -1491,9 +1485,8 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
             components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
     return sum(w * components[n] for n, w in zip(rewards.names, rewards.weights)), components
 
+
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
-
-
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
@@ -1668,9 +1661,8 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
     return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
             **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
 
+
 # ---- Checkpoints and logs --------------------------------------------------------------------------------------------
-
-
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
@@ -1768,8 +1760,8 @@ class RunLog:
                 wandb.finish()
 
 
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
-                 zero_stage: int = 0, notes: list[str] = ()) -> None:
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
+                 notes: list[str]) -> None:
     """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
     gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
@@ -1913,7 +1905,8 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
             ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
-                models, accelerator.unwrap_model(model), query_responses, response_ids, context_length, args, pad_token_id)
+                models, accelerator.unwrap_model(model), query_responses, response_ids, context_length, args,
+                pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses,
                                                        batch_rows[args.dataset_prompt_column])
