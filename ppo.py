@@ -536,7 +536,7 @@ def check_sft_adapters(args: Args, sft_adapters: dict[str, Path]) -> None:
                          f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
 
 
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False) -> None:
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
     """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = config.architectures or []
@@ -546,6 +546,7 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
                          "(AutoModelForSequenceClassification with num_labels=1)")
     if is_classifier and config.num_labels != 1:
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
 
 
 def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
