@@ -1812,6 +1812,11 @@ def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
     console.print(table)
 
 
+def sub_state(state_dict: dict, name: str) -> dict:
+    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
+    return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
+
 def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, console: Console):
     """Policy (with --use-peft its adapters, --merge-adapter adds the merged model) and value, for transformers."""
     accelerator.wait_for_everyone()
@@ -1820,14 +1825,10 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if not accelerator.is_main_process:
         return
-
-    def sub_state(name):
-        return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-
     # the tokenizer as given: the [PAD] added in `set_up` is a training-time device, outside the model's vocabulary
     tokenizer = AutoTokenizer.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code)
     tokenizer.save_pretrained(output_dir)
-    unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
+    unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
     if args.merge_adapter:
         # merged onto a fresh copy of the base: under ZeRO-3 the live policy holds only this process's shards
         with outside_zero_init(accelerator.state.deepspeed_plugin):
@@ -1840,9 +1841,11 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
     if args.shared_value_head:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in sub_state("value_head").items()}, output_dir / VALUE_HEAD_FILE)
+        head = {k: v.contiguous() for k, v in sub_state(state_dict, "value_head").items()}
+        save_file(head, output_dir / VALUE_HEAD_FILE)
     else:
-        unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
+        unwrapped.value_model.save_pretrained(output_dir / "value_model",
+                                              state_dict=sub_state(state_dict, "value_model"))
     value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
     policy_saved = "the policy adapter" if args.use_peft else "the policy"
     console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
