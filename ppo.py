@@ -1502,7 +1502,7 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     return responses, logprobs
 
 
-def with_trunk(model, query_responses, pad_token_id, num_frozen: dict, name: str):
+def cached_trunk(model, query_responses, pad_token_id, num_frozen: dict, name: str):
     """(hidden states after the frozen bottom blocks, their number) for a model with a frozen trunk, else None."""
     if name not in num_frozen:
         return None
@@ -1525,9 +1525,9 @@ def reference_and_values(models: Models, unwrapped: PolicyAndValueWrapper, query
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
         # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-        policy_trunk = with_trunk(policy, qr, pad_token_id, models.num_frozen, "policy")
-        value_trunk = policy_trunk if models.value_shares_trunk else with_trunk(value_model, qr, pad_token_id,
-                                                                               models.num_frozen, "value")
+        policy_trunk = cached_trunk(policy, qr, pad_token_id, models.num_frozen, "policy")
+        value_trunk = policy_trunk if models.value_shares_trunk else cached_trunk(value_model, qr, pad_token_id,
+                                                                                 models.num_frozen, "value")
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())
