@@ -1,9 +1,6 @@
-# PPO on Reddit TL;DR summarization, CleanRL style: the setup of "The N+ Implementation Details of RLHF with PPO: A Case
-# Study on TL;DR Summarization" (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD"), in one
-# file read top to bottom. Docs: README.md. A sibling of ppo.py (the flags they share, the metric names and the
-# checkpoints are the same), written to stand alone: nothing is imported from it. "N+ detail k" refers to the numbered
-# list in the README's TL;DR section (reconstructed from the SFD code); where TRL's PPOTrainer had a bug, the fix is
-# named in a comment with the word "TRL".
+# PPO on Reddit TL;DR summarization, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al.,
+# 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD") in one file. Docs: README.md. It imports nothing from
+# ppo.py; "N+ detail k" is the README's numbered TL;DR list, and "TRL" marks a fix of TRL's PPOTrainer.
 import copy
 import json
 import math
@@ -34,6 +31,8 @@ INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy bo
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
 TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
+CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                   "objective/validation_score")
 
 
 @dataclass
@@ -52,7 +51,7 @@ class Args:
     output_dir: str | None = None
     """the run's folder (models, args.json, metrics.jsonl, eval/ tables); default runs/{run_name}"""
 
-    # models: each a hub id or a local directory. The defaults are the paper's Pythia-1B SFT policy and reward model.
+    # models: each a hub id or a local directory; the defaults are the paper's Pythia-1B SFT policy and reward model
     sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
     """the policy to train, also the frozen reference (N+ detail 19)"""
     reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
@@ -60,8 +59,7 @@ class Args:
     value_model_path: str | None = None
     """initialises the value model; default: the reward model (N+ detail 18)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model loads in (TRL's name; auto: as saved); float32, because AdamW's small steps round away in
-    bf16 weights (trl#4778). Mixed precision comes from `accelerate launch --mixed_precision bf16`"""
+    """the dtype every model loads in (auto: as saved); float32: AdamW's small steps round away in bf16 (trl#4778)"""
 
     # data: a hub id, a local dataset directory, a `save_to_disk` directory, or a .json/.jsonl/.parquet/.csv file
     dataset_name: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
@@ -81,7 +79,7 @@ class Args:
     eval_every: int = 100
     """validate every N updates, and always after the last one (0: only after the last)"""
 
-    # batch sizes (see `batch_sizes` below for the arithmetic). Defaults: TRL's documented 8-GPU run, batch 512
+    # batch sizes (see `batch_sizes`); the defaults are TRL's documented 8-GPU run, batch 512
     total_episodes: int = 1_000_000
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 16
@@ -143,8 +141,7 @@ class Args:
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
-    """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
-    weights, slowly, when the whole policy does not fit on one device)"""
+    """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
 
 
 # The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
@@ -181,11 +178,11 @@ def check_args(args: Args) -> None:
     if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
         raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
                          f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.whiten_rewards and local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Batch-size arithmetic
-# ----------------------------------------------------------------------------------------------------------------
 class BatchSizes(NamedTuple):
     world_size: int
     local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
@@ -217,10 +214,7 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
                       batch_size, math.ceil(total_episodes / batch_size))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Small pure helpers: the same as ppo.py's, which tests/test_math.py checks against naive float64 loops
-# (tests/test_tldr.py checks that these copies still compute what ppo.py's do)
-# ----------------------------------------------------------------------------------------------------------------
+# PPO math: the same as ppo.py's (tests/test_math.py checks those against naive float64 loops, test_tldr.py the copies)
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -328,6 +322,19 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
     return rewards, non_score_reward
 
 
+def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
+                           missing_eos_penalty: float) -> torch.Tensor:
+    """The score of a response without eos (N+ detail 22): `replace`d by penalty_reward_value (SFD), the penalty
+    subtracted from it (TRL), or kept (`none`)."""
+    if rule == "replace":
+        return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
+    if rule == "subtract":
+        return scores - missing_eos_penalty * (~contain_eos).to(scores.dtype)
+    if rule == "none":
+        return scores
+    raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
+
+
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
     """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
 
@@ -376,12 +383,87 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
+# TL;DR data: queries, references, loading (tests/test_tldr.py checks each)
+def format_query(subreddit: str, title: str, post: str) -> str:
+    return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
+
+
+def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
+                   max_query_length: int) -> tuple[str, list[int]]:
+    """The query and its tokens, the post cut until it fits (N+ detail 2): at its last newline, as SFD's
+    tldr_dataset.py; with none left, at its last space (SFD: one character, the same cut rounded to a word); else
+    one character."""
+    while True:
+        query = format_query(subreddit, title, post)
+        ids = encode(query)
+        if len(ids) <= max_query_length:
+            return query, ids
+        if not post:
+            raise ValueError(f"the query for the post titled {title[:80]!r} is {len(ids)} tokens with an empty post: "
+                             f"--max-query-length {max_query_length} is too small for its subreddit and title")
+        cut = post.rfind("\n")
+        if cut < 0:
+            cut = post.rfind(" ")
+        post = post[:cut] if cut >= 0 else post[:-1]
+
+
+def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
+    """For `Dataset.map(batched=True)`: the truncated query's text and tokens, and the reference's tokens: " " +
+    summary + the eos id (N+ detail 4), as the reward model was trained. A query may not end in eos."""
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
+    out = {"query": [], "input_ids": [], "reference_ids": []}
+    for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
+        query, ids = truncate_query(encode, subreddit, title, post, max_query_length)
+        if ids[-1] == tokenizer.eos_token_id:
+            raise ValueError(f"the query for {title[:80]!r} ends in the eos token: the tokenizer appends eos to every "
+                             "text (e.g. add_eos_token=True); use a tokenizer that does not")
+        out["query"].append(query)
+        out["input_ids"].append(ids)
+        out["reference_ids"].append(tokenizer(" " + summary, add_special_tokens=False)["input_ids"]
+                                    + [tokenizer.eos_token_id])
+    return out
+
+
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
     width = max(len(s) for s in sequences)
     return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
 
+def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
+    """A hub id, a dataset directory, a `save_to_disk` directory, or a json/jsonl/parquet/csv file (one split: `split`
+    is not used). Refuses data without the TL;DR columns."""
+    path = Path(name)
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
+            ds = load_dataset(kind, data_files=str(path), split="train")
+        except (StopIteration, ValueError) as error:
+            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
+    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = load_from_disk(str(path))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
+            ds = ds[split]
+    else:
+        try:
+            ds = load_dataset(name, config, split=split)
+        except ValueError as e:  # datasets' message names the splits there are
+            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
+    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
+                         f"{list(TLDR_COLUMNS)}")
+    if len(ds) == 0:
+        raise ValueError(f"{flag} {name}: split {split!r} is empty")
+    return ds
+
+
+# Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
+# embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
 def disable_dropout(model: nn.Module) -> None:
     """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
     float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
@@ -396,11 +478,6 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD]
-# token added to the tokenizer needs no embedding resize (N+ detail 6). Explicit position ids keep left padding
-# correct for absolute-position models.
-# ----------------------------------------------------------------------------------------------------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -423,13 +500,9 @@ def scalar_outputs(scalar_model, query_responses, pad_token_id):
 
 
 def score_bias(config) -> float:
-    """The reward normalisation the N+ reward code stores in the model's config (N+ detail 14): `config.bias` = the
-    reward model's mean score on the reference summaries, subtracted from every score so that references average 0.
-
-    Scores here are always `score(backbone(x))`, never the model's own forward, so no model class applies it for us:
-    it is subtracted below, for the reward model and for a value model initialised from it, whose config carries the
-    same bias (SFD's critic is the reward model's class, whose forward subtracts it: N+ detail 18). Only a number
-    counts: a bool `bias` is an architecture flag (Falcon: linear layers with biases), not a normalisation."""
+    """The reward normalisation in the reward model's config (N+ detail 14): `config.bias`, the mean score of the
+    reference summaries, subtracted from its scores and from the values of a value model initialised from it (N+
+    detail 18). A bool `bias` is an architecture flag (Falcon), not a normalisation."""
     bias = getattr(config, "bias", None)
     if isinstance(bias, bool) or not isinstance(bias, (int, float)):
         return 0.0
@@ -552,6 +625,20 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
+
+
+# Plumbing: data order, checkpoints, logging
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
     """The prompts that `rank` samples responses for at `update` (1-based).
 
@@ -563,6 +650,12 @@ def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int,
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * sizes.batch_size + rank * sizes.local_batch_size
     return permutation[start:start + sizes.local_batch_size]
+
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -605,134 +698,6 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
     if not (path / "trainer_state.json").is_file():
         raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
     return path
-
-
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# TL;DR specifics: queries, references, the missing-eos rule (tests/test_tldr.py checks each)
-# ----------------------------------------------------------------------------------------------------------------
-def format_query(subreddit: str, title: str, post: str) -> str:
-    return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
-
-
-def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
-                   max_query_length: int) -> tuple[str, list[int]]:
-    """The query and its tokens, with the post cut until the query fits `max_query_length` tokens (N+ detail 2).
-
-    As SFD's tldr_dataset.py (after OpenAI's tasks.py): repeatedly cut the post at its last newline, so whole
-    paragraphs go first; with no newline left, at its last space (SFD drops one character at a time there: the same
-    cut, rounded to a whole word); with no space left, one character. SUBREDDIT, TITLE and the closing "TL;DR:"
-    always stay. Raises ValueError if even an empty post does not fit.
-    """
-    while True:
-        query = format_query(subreddit, title, post)
-        ids = encode(query)
-        if len(ids) <= max_query_length:
-            return query, ids
-        if not post:
-            raise ValueError(f"the query for the post titled {title[:80]!r} is {len(ids)} tokens with an empty post: "
-                             f"--max-query-length {max_query_length} is too small for its subreddit and title")
-        cut = post.rfind("\n")
-        if cut < 0:
-            cut = post.rfind(" ")
-        post = post[:cut] if cut >= 0 else post[:-1]
-
-
-def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
-    """For `Dataset.map(batched=True)`: the truncated query text and tokens, and the reference tokens.
-
-    The reference is " " + summary + eos (N+ detail 4): the summaries carry no leading space, and the reward model was
-    trained on responses that end in eos. The eos id is appended, not written as text, so no tokenizer can split it.
-    The query's last token must not be eos (TRL's ppo_tldr.py asserts it too): with a tokenizer that appends eos, the
-    policy would be asked to write after an end-of-text, which neither it nor the reward model was trained on."""
-    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
-    out = {"query": [], "input_ids": [], "reference_ids": []}
-    for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
-        query, ids = truncate_query(encode, subreddit, title, post, max_query_length)
-        if ids[-1] == tokenizer.eos_token_id:
-            raise ValueError(f"the query for {title[:80]!r} ends in the eos token: the tokenizer appends eos to every "
-                             "text (e.g. add_eos_token=True); use a tokenizer that does not")
-        out["query"].append(query)
-        out["input_ids"].append(ids)
-        out["reference_ids"].append(tokenizer(" " + summary, add_special_tokens=False)["input_ids"]
-                                    + [tokenizer.eos_token_id])
-    return out
-
-
-def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
-                           missing_eos_penalty: float) -> torch.Tensor:
-    """The score of a response that never produced eos (N+ detail 22: the policy must learn to end its summary).
-
-    replace  (N+ / SFD): the score becomes `penalty_reward_value` (-1), whatever the reward model said;
-    subtract (TRL):      `missing_eos_penalty` is subtracted from the score;
-    none:                the score is kept."""
-    if rule == "replace":
-        return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
-    if rule == "subtract":
-        return scores - missing_eos_penalty * (~contain_eos).to(scores.dtype)
-    if rule == "none":
-        return scores
-    raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
-
-
-def right_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Right-pad token lists into one (batch, longest) tensor: responses start right after the query."""
-    width = max(len(s) for s in sequences)
-    return torch.tensor([list(s) + [pad_token_id] * (width - len(s)) for s in sequences], dtype=torch.long)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading and checks
-# ----------------------------------------------------------------------------------------------------------------
-def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
-    """A hub id, a dataset directory (e.g. train.jsonl + validation.jsonl), a `save_to_disk` directory, or a
-    json/jsonl/parquet/csv file (one split: `split` is not used). Refuses data without the TL;DR columns."""
-    path = Path(name)
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
-            ds = load_dataset(kind, data_files=str(path), split="train")
-        except (StopIteration, ValueError) as error:
-            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
-    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        ds = load_from_disk(str(path))
-        if isinstance(ds, DatasetDict):
-            if split not in ds:
-                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
-            ds = ds[split]
-    else:
-        try:
-            ds = load_dataset(name, config, split=split)
-        except ValueError as e:  # datasets' message names the splits there are
-            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
-    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
-                         f"{list(TLDR_COLUMNS)}")
-    if len(ds) == 0:
-        raise ValueError(f"{flag} {name}: split {split!r} is empty")
-    return ds
-
-
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
-    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    archs = config.architectures or []
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    if require_head and not is_classifier:
-        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
-                         "(AutoModelForSequenceClassification with num_labels=1)")
-    if is_classifier and config.num_labels != 1:
-        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
 
 
 def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
@@ -789,18 +754,13 @@ def print_eval_table(console: Console, rows: list[dict], title: str, query_chars
     console.print(table)
 
 
-def main(args: Args) -> None:
-    # ============================================================================================================
-    # 0. Set-up: validate everything cheap before any model is loaded
-    # ============================================================================================================
-    check_args(args)
-    # One optimizer step per minibatch of gradient_accumulation_steps micro-batches (N+ detail 32; TRL's arithmetic
-    # broke it for num_mini_batches > 1). There is no prepared DataLoader (see `rollout_indices`): with one, accelerate
-    # would also step after every micro-batch of each update that used an epoch's last batch (sync_with_dataloader).
+# Set-up, rollout and validation steps that main() calls
+def make_accelerator(args: Args) -> Accelerator:
+    """One optimizer step per minibatch of --gradient-accumulation-steps micro-batches (N+ detail 32). No DataLoader is
+    prepared (see `rollout_indices`): accelerate would also step at each epoch's end (sync_with_dataloader)."""
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: any other value would break
-    # "one optimizer step per minibatch", so refuse it here.
     ds_plugin = accelerator.state.deepspeed_plugin
+    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: refuse any other value
     ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
             "auto", args.gradient_accumulation_steps):
@@ -808,218 +768,280 @@ def main(args: Args) -> None:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-    if zero3:  # the final save consolidates the shards into one loadable checkpoint
-        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if ds_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
+        if ds_plugin.zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
+            ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        # no DataLoader tells DeepSpeed the micro-batch; and DeepSpeed clips inside its own step
         ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
-                        accelerator.num_processes, args.total_episodes)
-    if args.whiten_rewards and sizes.local_batch_size < 8:
-        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    device = accelerator.device
-    console = Console()
-    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
-    remote = dict(trust_remote_code=args.trust_remote_code)
-    model_kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
-    value_model_path = args.value_model_path or args.reward_model_path
-    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-    model_config = AutoConfig.from_pretrained(args.sft_model_path, **remote)
+    return accelerator
 
-    time_int = int(time.time())
-    if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
-    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
 
-    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote)
+def load_data(args: Args, accelerator: Accelerator, batch_size: int):
+    """The tokenizer, and the train and held-out posts formatted, truncated and tokenised once (N+ details 1-4)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
+                                              trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
                          "in eos, where the reward model reads its score")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
-        # the reward model reads the token before it, so the policy never learns to stop.
+        # N+ detail 6: with pad == eos, the eos would be masked as padding and the policy would never learn to stop
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    stop_token_id = eos_token_id if args.stop_token == "eos" else None
-
-    # posts: formatted, truncated and tokenised once (one process per machine first, the others read its cache)
     train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
     eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
                                    None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
                                    "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
-    if len(train_dataset) < sizes.batch_size:
+    if len(train_dataset) < batch_size:
         raise ValueError(f"{args.dataset_name} has {len(train_dataset)} posts in {args.dataset_train_split!r}: too few "
-                         f"for one rollout batch of {sizes.batch_size}")
+                         f"for one rollout batch of {batch_size}")
     if args.eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(args.eval_samples, len(eval_dataset))))
     if len(eval_dataset) < accelerator.num_processes:
         raise ValueError(f"{len(eval_dataset)} held-out posts cannot be shared by {accelerator.num_processes} "
                          "processes: raise --eval-samples")
-    with accelerator.local_main_process_first():
-        tokenize = dict(function=tokenize_tldr, batched=True, fn_kwargs=dict(tokenizer=tokenizer,
-                                                                            max_query_length=args.max_query_length))
+    tokenize = dict(function=tokenize_tldr, batched=True,
+                    fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
+    with accelerator.local_main_process_first():  # the other processes read the first one's cache
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
-    # queries (at most --max-query-length tokens), responses and references must fit the positions of the policy and
-    # the reward model
-    max_positions = min((p for p in (getattr(model_config, "max_position_embeddings", None),
-                                     getattr(reward_config, "max_position_embeddings", None)) if p), default=None)
-    longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
+    return tokenizer, train_dataset, eval_dataset
+
+
+def load_models(args: Args, accelerator: Accelerator, longest_response: int):
+    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18), reward model:
+    separate networks (N+ detail 17), prepared with one AdamW over policy and value. Returns (model, optimizer,
+    ref_policy, reward_model)."""
+    remote = dict(trust_remote_code=args.trust_remote_code)
+    value_model_path = args.value_model_path or args.reward_model_path
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
+    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
     if max_positions is not None and args.max_query_length + longest_response > max_positions:
         raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
                          f"({longest_response} tokens) exceeds the models' {max_positions} positions: lower "
                          "--max-query-length or --response-length")
-    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
-        if changed:
-            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags, or the data order and learning rate would not continue")
-
-    # ============================================================================================================
-    # 1. Models: policy, frozen reference (N+ detail 19), value model initialised from the reward model (N+ detail
-    #    18), reward model. Separate networks, no shared trunk (N+ detail 17).
-    # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
+    kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
+        value_model_path, num_labels=1, output_loading_info=True, **kwargs)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # A fresh head on a language-model trunk (--value-model-path given a causal LM): start at V = 0 instead of a
-        # random head on hidden states whose norm can be large (LMHP initialises its value head at 0).
+        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
         with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
             for p in value_model.score.parameters():
                 nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1,
-                                                                      **model_kwargs)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
     for m in (ref_policy, reward_model):
-        m.eval().requires_grad_(False).to(device)
+        m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if zero3:  # the frozen models sharded too, in the trained models' precision
+    ds_plugin = accelerator.state.deepspeed_plugin
+    if ds_plugin is not None and ds_plugin.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):
             shard_frozen(m, accelerator.deepspeed_config)
-    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
+    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score alike, so that KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
+    return model, optimizer, ref_policy, reward_model
+
+
+def check_resume(checkpoint: Path | None, run_state: dict) -> int:
+    """The first update to run: 1, or the one after `checkpoint`, whose run must have had the same settings."""
+    if checkpoint is None:
+        return 1
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+    if changed:
+        raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                         "with the original flags, or the data order and learning rate would not continue")
+    return saved["update"] + 1
+
+
+def open_run_folder(args: Args, output_dir: Path, run_name: str, start_update: int, resumed: bool):
+    """The tokenizer as given (the [PAD] is a training-time device), args.json, metrics.jsonl (a resumed run drops
+    the rows after its checkpoint), TensorBoard events, and wandb with --track. Returns (metrics_file, writer)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
+                                  trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
+    (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
+    metrics_path = output_dir / "metrics.jsonl"
+    kept = [line for line in (metrics_path.read_text().splitlines() if resumed and metrics_path.exists() else [])
+            if json.loads(line)["update"] < start_update]
+    write_atomic(metrics_path, "".join(line + "\n" for line in kept))
+    metrics_file, writer = open(metrics_path, "a"), SummaryWriter(str(output_dir))
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
+                   save_code=True)
+    return metrics_file, writer
+
+
+def log_metrics(metrics_file, writer: SummaryWriter, track: bool, console: Console, update: int, num_updates: int,
+                metrics: dict) -> None:
+    metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+    metrics_file.flush()
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, update)
+    if track:
+        import wandb
+
+        wandb.log(metrics, step=update)
+    console.print(f"update {update}/{num_updates}  " + "  ".join(
+        f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
+
+
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, tokenizer,
+                     temperature: float, zero3: bool, generator: torch.Generator | None = None):
+    """(responses, logprobs) sampled in chunks, the responses truncated after eos, which is kept (N+ detail 21)."""
+    chunk, pad_token_id = args.local_rollout_forward_batch_size, tokenizer.pad_token_id
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+        generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length, temperature,
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs
+
+
+def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    chunk: int) -> torch.Tensor:
+    """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
+    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
+                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+
+
+class HeldOut(NamedTuple):
+    indices: list[int]  # this process's posts
+    queries: torch.Tensor
+    query_texts: list[str]
+    references: list[str]
+    reference_score: float  # the mean over all posts
+
+
+def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
+                   chunk: int) -> HeldOut:
+    """Every world_size-th held-out post; the last wrap around to the first (and are dropped after the gather), since
+    under ZeRO-3 every forward needs every process. The references are scored once, as responses are."""
+    n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
+    indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
+    rows = eval_dataset.select(indices)
+    queries = left_pad(rows["input_ids"], pad_token_id).to(accelerator.device)
+    references = pad_right([torch.tensor([ids]) for ids in rows["reference_ids"]], pad_token_id).to(accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        reference_scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
+    all_reference_scores = dict(gather_object(list(zip(indices, reference_scores.tolist()))))
+    return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
+                   sum(all_reference_scores.values()) / len(all_reference_scores))
+
+
+def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_model: nn.Module, tokenizer,
+             held_out: HeldOut, update: int, zero3: bool, output_dir: Path, console: Console) -> dict:
+    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule as SFD's
+    objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Its own generator spares the training
+    RNG."""
+    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
+    pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad(), accelerator.autocast():
+        responses, _ = sample_responses(accelerator, model, held_out.queries, args, tokenizer, EVAL_TEMPERATURE, zero3,
+                                        generator)
+        scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
+                                 args.local_rollout_forward_batch_size)
+    columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
+    rows = gather_object([(index, {"query": query, "reference": reference,
+                                   "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
+                                   "score": score}) for index, query, reference, r, score in columns])
+    # one row per post, sorted; where the last posts wrapped around, the first process's row
+    rows = [row for _, row in sorted(dict(reversed(rows)).items())]
+    if accelerator.is_main_process:
+        (output_dir / "eval").mkdir(exist_ok=True)
+        write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
+                     "".join(json.dumps(row) + "\n" for row in rows))
+        print_eval_table(console, rows[:3], f"validation after update {update}")
+        if args.track:
+            import wandb
+
+            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                      step=update)
+    return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
+            "objective/reference_score": held_out.reference_score}
+
+
+def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
+    """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
+    the reward model's config, `bias` included, which `score_bias` subtracts again when it is loaded."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    if accelerator.is_main_process:
+        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
+            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
+                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
+                                            if k.startswith(name + ".")})
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    accelerator = make_accelerator(args)
+    ds_plugin = accelerator.state.deepspeed_plugin
+    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    device, console = accelerator.device, Console()
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
+    tokenizer, train_dataset, eval_dataset = load_data(args, accelerator, sizes.batch_size)
+    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    start_update = check_resume(checkpoint, run_state)
+    longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
+    model, optimizer, ref_policy, reward_model = load_models(args, accelerator, longest_response)
+    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
-    start_update = 1
     if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
         accelerator.load_state(str(checkpoint))
-        start_update = saved["update"] + 1
         if accelerator.is_main_process:
             console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
-
-    # tracking: metrics.jsonl and TensorBoard always (a resumed run drops the rows logged after its checkpoint); wandb
-    # with --track
     metrics_file = writer = None
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # the tokenizer as given (left padding, no [PAD]: the [PAD] above is a training-time device only)
-        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote).save_pretrained(output_dir)
-        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-        metrics_path = output_dir / "metrics.jsonl"
-        kept = [line for line in (metrics_path.read_text().splitlines() if checkpoint and metrics_path.exists()
-                                  else []) if json.loads(line)["update"] < start_update]
-        write_atomic(metrics_path, "".join(line + "\n" for line in kept))
-        metrics_file = open(metrics_path, "a")
-        writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder, as ppo.py
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
-                       save_code=True)
-        print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model},
-                     ds_plugin.zero_stage if ds_plugin is not None else 0)
-
+        metrics_file, writer = open_run_folder(args, output_dir, run_name, start_update, checkpoint is not None)
+        unwrapped = accelerator.unwrap_model(model)
+        print_banner(console, run_name, args, sizes, {"policy": unwrapped.policy, "reference": ref_policy,
+                                                      "value model": unwrapped.value_model,
+                                                      "reward model": reward_model}, zero_stage)
     chunk = args.local_rollout_forward_batch_size
-
-    def score_responses(queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
-        return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]),
-                                                                      1), pad_token_id, queries.size(1))
-                          for i in range(0, queries.size(0), chunk)])
-
-    # validation posts: each process takes every world_size-th one; the reference summaries are scored once, the
-    # same way as responses (the reward model reads the eos that ends them). Every process gets as many posts (the
-    # last ones wrap around to the first and are dropped again after the gather): under ZeRO-3 each forward needs
-    # every process.
-    per_process = math.ceil(len(eval_dataset) / accelerator.num_processes)
-    eval_local = [i % len(eval_dataset) for i in
-                  range(accelerator.process_index, per_process * accelerator.num_processes, accelerator.num_processes)]
-    eval_rows = eval_dataset.select(eval_local)
-    eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device)
-    with torch.no_grad(), accelerator.autocast():
-        reference_scores = score_responses(eval_queries, right_pad(eval_rows["reference_ids"], pad_token_id).to(device))
-    all_reference_scores = dict(gather_object(list(zip(eval_local, reference_scores.tolist()))))
-    reference_score = sum(all_reference_scores.values()) / len(all_reference_scores)
-    references = [tokenizer.decode(ids) for ids in eval_rows["reference_ids"]]
-
-    def evaluate(update: int) -> dict:
-        """Near-greedy (T = 0.01) summaries of the held-out posts (N+ detail 30), scored by the reward model without
-        the missing-eos rule, as SFD's objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Every
-        rank runs it on its share of the posts. Its own generator keeps it from shifting the training RNG."""
-        generator = torch.Generator(device=device).manual_seed(args.seed + update)
-        with torch.no_grad(), accelerator.autocast():
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
-                                                EVAL_TEMPERATURE, stop_token_id, generator, synced)[0]
-                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
-            scores = score_responses(eval_queries, responses)
-        rows = gather_object([(index, {"query": query, "reference": reference,
-                                       "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
-                                       "score": score})
-                              for index, query, reference, r, score in zip(eval_local, eval_rows["query"], references,
-                                                                           responses, scores.tolist())])
-        unique = {}
-        for index, row in rows:  # one row per post: the first process's, where the last posts wrapped around
-            unique.setdefault(index, row)
-        rows = [row for _, row in sorted(unique.items())]
-        if accelerator.is_main_process:
-            (output_dir / "eval").mkdir(exist_ok=True)
-            write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
-                         "".join(json.dumps(row) + "\n" for row in rows))
-            print_eval_table(progress.console, rows[:3], f"validation after update {update}")
-            if args.track:
-                wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                          step=update)
-        return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
-                "objective/reference_score": reference_score}
-
+    held_out = held_out_posts(accelerator, eval_dataset, tokenizer, reward_model, chunk)
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    start_time = time.time()
     checkpoints = output_dir / "checkpoints"
+    start_time = time.time()
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                         disable=not accelerator.is_main_process)
     progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
     progress.start()
     for update in range(start_update, sizes.num_updates + 1):
+        # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
-        # learning rate: linear anneal to 0, once per update (N+ detail 29)
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1029,33 +1051,16 @@ def main(args: Args) -> None:
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # ====================================================================================================
-            # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
-            # ====================================================================================================
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                                      args.temperature, stop_token_id, synced=synced)
-                             for i in range(0, queries.size(0), chunk)]
-            unwrapped = accelerator.unwrap_model(model)
-            responses = pad_right([r for r, _ in generated], pad_token_id)
-            logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-            del generated
+            # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
+            responses, logprobs = sample_responses(accelerator, model, queries, args, tokenizer, args.temperature,
+                                                   zero_stage == 3)
             time_generation = time.perf_counter() - timer
-            # truncate after eos, which is kept (N+ detail 21); everything is scored and trained on the truncated
-            # responses. Sampling stops once every row has its eos: SFD samples all 53 tokens and then cuts, which
-            # draws the kept tokens from the same distribution.
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
             query_responses = torch.cat((queries, responses), 1)
-            # index of the last real token (-1 for an empty response)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # ====================================================================================================
             # 3. Scoring forwards: reference log-probs, values, scores; then the missing-eos rule (N+ detail 22)
-            # ====================================================================================================
             ref_logprobs, values = [], []
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
@@ -1063,17 +1068,16 @@ def main(args: Args) -> None:
                                           args.temperature, pad_token_id)
                 ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
                 del ref_logits
-                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
+                values.append(value_forward(accelerator.unwrap_model(model).value_model, qr, pad_token_id,
+                                            context_length))
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
-            scores = score_responses(queries, responses)
+            scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
             contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
 
-            # ====================================================================================================
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
-            # ====================================================================================================
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -1083,16 +1087,11 @@ def main(args: Args) -> None:
             if args.whiten_rewards:  # N+ detail 26
                 rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
-            # ====================================================================================================
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            # ====================================================================================================
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
-        # ================================================================================================================
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
-        #    (N+ detail 28)
-        # ================================================================================================================
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps micro-batches each
         timer = time.perf_counter()
         model.train()
         stats = {k: torch.zeros(stats_shape, device=device) for k in
@@ -1131,18 +1130,13 @@ def main(args: Args) -> None:
                         optimizer.zero_grad()
                         with torch.no_grad():
                             entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
-                            idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
-                            for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
-                                         ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
-                                         ("ratio", ratio_mean)):
-                                stats[k][idx] = v.detach()
+                            for k, v in zip(stats, (approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy,
+                                                    ratio_mean)):
+                                stats[k][ppo_epoch_idx, minibatch_idx, micro_idx] = v.detach()
                     del logits, vpred, loss
-
         time_training = time.perf_counter() - timer
 
-        # ================================================================================================================
-        # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
-        # ================================================================================================================
+        # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
         with torch.no_grad():
             real = (~padding_mask).float()
             local = torch.stack([
@@ -1180,24 +1174,14 @@ def main(args: Args) -> None:
                 "episode": episode,
             }
 
-        # ================================================================================================================
-        # 8. Validation on held-out posts every eval_every updates and after the last one (N+ detail 30)
-        # ================================================================================================================
+        # 8. Validation every eval_every updates and after the last one (N+ detail 30); logging; checkpoint
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(update))
+            metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update,
+                                    zero_stage == 3, output_dir, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, update)
-            if args.track:
-                wandb.log(metrics, step=update)
-            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                 "objective/validation_score") if k in metrics))
+            log_metrics(metrics_file, writer, args.track, console, update, sizes.num_updates, metrics)
         check_replicas_agree(accelerator, model, update, [])  # no controller state
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
@@ -1206,26 +1190,17 @@ def main(args: Args) -> None:
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     progress.stop()
 
-    # ============================================================================================================
-    # 9. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). The value
-    #    model keeps the reward model's config, `bias` included: this script subtracts it again when it loads it.
-    # ============================================================================================================
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    # 9. Save policy and value model; every process leaves together and takes its process group down with it (a
+    #    process that exits while gloo/NCCL threads still run can abort)
+    save_models(accelerator, model, output_dir)
     if accelerator.is_main_process:
-        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
-                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
-                                            if k.startswith(name + ".")})
         metrics_file.close()
         writer.close()
         if args.track:
+            import wandb
+
             wandb.finish()
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
-
-    # Every process leaves together and takes its process group down with it: a process that exits while
-    # gloo/NCCL threads still run can abort ("terminate called without an active exception").
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
