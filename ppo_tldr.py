@@ -390,9 +390,8 @@ def format_query(subreddit: str, title: str, post: str) -> str:
 
 def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
                    max_query_length: int) -> tuple[str, list[int]]:
-    """The query and its tokens, the post cut until it fits (N+ detail 2): at its last newline, as SFD's
-    tldr_dataset.py; with none left, at its last space (SFD: one character, the same cut rounded to a word); else
-    one character."""
+    """The query and its tokens, the post cut until it fits (N+ detail 2): at its last newline (SFD), then at its last
+    space (SFD: one character at a time, the same cut rounded to a word), then one character."""
     while True:
         query = format_query(subreddit, title, post)
         ids = encode(query)
@@ -809,9 +808,8 @@ def load_data(args: Args, accelerator: Accelerator, batch_size: int):
 
 
 def load_models(args: Args, accelerator: Accelerator, longest_response: int):
-    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18), reward model:
-    separate networks (N+ detail 17), prepared with one AdamW over policy and value. Returns (model, optimizer,
-    ref_policy, reward_model)."""
+    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
+    separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
     remote = dict(trust_remote_code=args.trust_remote_code)
     value_model_path = args.value_model_path or args.reward_model_path
     reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
@@ -947,9 +945,8 @@ def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, r
 
 def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_model: nn.Module, tokenizer,
              held_out: HeldOut, update: int, zero3: bool, output_dir: Path, console: Console) -> dict:
-    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule as SFD's
-    objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Its own generator spares the training
-    RNG."""
+    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
+    eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
@@ -1091,7 +1088,8 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps micro-batches each
+        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps
+        #    micro-batches each
         timer = time.perf_counter()
         model.train()
         stats = {k: torch.zeros(stats_shape, device=device) for k in
