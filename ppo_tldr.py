@@ -885,6 +885,7 @@ def open_run_folder(args: Args, output_dir: Path, run_name: str, start_update: i
 
 def log_metrics(metrics_file, writer: SummaryWriter, track: bool, console: Console, update: int, num_updates: int,
                 metrics: dict) -> None:
+    """One row of metrics.jsonl, TensorBoard scalars, wandb with --track, and the headline numbers on the console."""
     metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
     metrics_file.flush()
     for k, v in metrics.items():
@@ -992,6 +993,7 @@ def main(args: Args) -> None:
     accelerator = make_accelerator(args)
     ds_plugin = accelerator.state.deepspeed_plugin
     zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    zero3 = zero_stage == 3
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     device, console = accelerator.device, Console()
@@ -1003,6 +1005,7 @@ def main(args: Args) -> None:
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
+
     tokenizer, train_dataset, eval_dataset = load_data(args, accelerator, sizes.batch_size)
     pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
@@ -1010,6 +1013,7 @@ def main(args: Args) -> None:
     start_update = check_resume(checkpoint, run_state)
     longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
     model, optimizer, ref_policy, reward_model = load_models(args, accelerator, longest_response)
+
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -1019,6 +1023,7 @@ def main(args: Args) -> None:
         accelerator.load_state(str(checkpoint))
         if accelerator.is_main_process:
             console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
+
     metrics_file = writer = None
     if accelerator.is_main_process:
         metrics_file, writer = open_run_folder(args, output_dir, run_name, start_update, checkpoint is not None)
@@ -1036,6 +1041,7 @@ def main(args: Args) -> None:
                         disable=not accelerator.is_main_process)
     progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
     progress.start()
+
     for update in range(start_update, sizes.num_updates + 1):
         # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
@@ -1050,7 +1056,7 @@ def main(args: Args) -> None:
         with torch.no_grad(), accelerator.autocast():
             # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
             responses, logprobs = sample_responses(accelerator, model, queries, args, tokenizer, args.temperature,
-                                                   zero_stage == 3)
+                                                   zero3)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
@@ -1174,8 +1180,8 @@ def main(args: Args) -> None:
 
         # 8. Validation every eval_every updates and after the last one (N+ detail 30); logging; checkpoint
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update,
-                                    zero_stage == 3, output_dir, console))
+            metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update, zero3,
+                                    output_dir, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if accelerator.is_main_process:
