@@ -1063,7 +1063,7 @@ def main(args: Args) -> None:
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 3. Scoring forwards: reference log-probs, values, scores; then the missing-eos rule (N+ detail 22)
+            # 3. Scoring forwards: reference log-probs, values and the reward model's scores
             ref_logprobs, values = [], []
             for i in range(0, queries.size(0), chunk):
                 qr = query_responses[i:i + chunk]
@@ -1076,11 +1076,12 @@ def main(args: Args) -> None:
             ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
             scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
+
+            # 4. Rewards: the missing-eos rule (N+ detail 22), then the per-token KL penalty plus the score one past the
+            #    last token (be very careful with padding_mask_p1: N+ detail 25)
             contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
-
-            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -1178,10 +1179,12 @@ def main(args: Args) -> None:
                 "episode": episode,
             }
 
-        # 8. Validation every eval_every updates and after the last one (N+ detail 30); logging; checkpoint
+        # 8. Validation every eval_every updates and after the last one (N+ detail 30)
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update, zero3,
                                     output_dir, console))
+
+        # 9. Logging, the replicas' agreement, checkpoint
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if accelerator.is_main_process:
@@ -1194,8 +1197,8 @@ def main(args: Args) -> None:
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     progress.stop()
 
-    # 9. Save policy and value model; every process leaves together and takes its process group down with it (a
-    #    process that exits while gloo/NCCL threads still run can abort)
+    # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
+    #     process that exits while gloo/NCCL threads still run can abort)
     save_models(accelerator, model, output_dir)
     if accelerator.is_main_process:
         metrics_file.close()
