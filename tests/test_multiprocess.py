@@ -9,13 +9,15 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, TINY, assert_same_run, launch, tiny_args, without_wall_clock
 
+REPLICAS_AGREE = "tests/replicas_agree.py"  # ppo.py, checking that the processes agree at every checkpoint
+
 
 @pytest.fixture(scope="module")
 def two_process_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run"
     args = tiny_args(assets, "--total-episodes", "128", "--save-every", "2", "--kl-target", "0.5", "--kl-horizon",
                      "1000", "--use-score-scaling")
-    return args, out, *launch(args, out)
+    return args, out, *launch(args, out, script=REPLICAS_AGREE)
 
 
 def test_batch_arithmetic_scales_with_world_size(two_process_run):
@@ -27,6 +29,13 @@ def test_batch_arithmetic_scales_with_world_size(two_process_run):
     assert all(0 <= r["val/num_eos_tokens"] <= 32 for r in rows)  # counted over both processes' responses
 
 
+def test_processes_hold_the_same_weights_and_controller_state(two_process_run):
+    """tests/replicas_agree.py compares both processes' weight checksums, KL coefficient and score moments at every
+    checkpoint (updates 2 and 4) and stops the run if they differ."""
+    _, _, proc, _ = two_process_run
+    assert "replicas agree after update 2" in proc.stdout and "replicas agree after update 4" in proc.stdout
+
+
 def test_every_process_checkpoints_its_rng(two_process_run):
     _, out, _, _ = two_process_run
     names = {p.name for p in (out / "checkpoints" / "update-000002").iterdir()}
@@ -35,8 +44,7 @@ def test_every_process_checkpoints_its_rng(two_process_run):
 
 def test_two_process_resume_is_exact(two_process_run, tmp_path):
     """Both processes' RNG streams, the optimizer, the shared data order, the adaptive KL coefficient and the running
-    score moments continue exactly. ppo.py itself checks after every update that both processes hold the same weights,
-    coefficient and moments (a run whose processes disagree stops)."""
+    score moments continue exactly."""
     args, out, _, rows = two_process_run
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed)
@@ -49,7 +57,7 @@ def test_two_process_resume_is_exact(two_process_run, tmp_path):
 def lora_ddp_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_ddp") / "run"
     args = tiny_args(assets, "--use-peft", "--shared-value-head", "--num-trainable-layers", "1", "--merge-adapter")
-    return args, out, *launch(args, out)
+    return args, out, *launch(args, out, script=REPLICAS_AGREE)
 
 
 def lora_trained(assets, run_dir):
@@ -65,10 +73,11 @@ def lora_trained(assets, run_dir):
 
 
 def test_two_process_lora_run_saves_one_adapter(assets, lora_ddp_run):
-    """LoRA and the shared value head under data parallelism: the processes train one adapter (ppo.py checks after
-    every update that both hold the same weights), and only the main process saves it."""
+    """LoRA and the shared value head under data parallelism: the processes train one adapter (the same weights on
+    both: tests/replicas_agree.py), and only the main process saves it."""
     _, out, proc, rows = lora_ddp_run
     assert len(rows) == 1 and proc.stdout.count("saved the policy adapter") == 1
+    assert "replicas agree after update 1" in proc.stdout
     weights, _ = lora_trained(assets, out)
     base = AutoModelForCausalLM.from_pretrained(assets["sft"]).state_dict()
     assert any(not torch.equal(weights[k], base[k]) for k in base)  # the adapter learnt something

@@ -356,7 +356,7 @@ def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
     with torch.no_grad():
         trunk = (ppo.frozen_trunk(model, qr, PAD, num_frozen), num_frozen)
-        torch.testing.assert_close(ppo.scalar_outputs(model, qr, PAD, trunk), ppo.scalar_outputs(model, qr, PAD),
+        torch.testing.assert_close(ppo.final_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
                                    rtol=1e-5, atol=1e-6)
     assert len(model.config.layer_types) == 3  # restored
 
