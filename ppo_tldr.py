@@ -163,7 +163,7 @@ def in_interval(value: float, interval: str) -> bool:
                                                                        value < high)
 
 
-# differs from ppo.py's: the TL;DR script's own flags
+# differs from ppo.py: the TL;DR script's own flags
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
     for name, interval in FLAG_RANGES.items():
@@ -193,14 +193,7 @@ class BatchSizes(NamedTuple):
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
-    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
-    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
-
-    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
-    local_batch_size      = local_mini_batch_size * num_mini_batches
-    batch_size            = local_batch_size * world_size
-    num_updates           = ceil(total_episodes / batch_size)
-    """
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
                     ("num_mini_batches", num_mini_batches), ("world_size", world_size),
@@ -230,12 +223,8 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
-
-    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
-    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
-    the response would silently end there, so it gets the lowest logit.
-    """
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
+    exactly 1 (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -243,10 +232,8 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
-    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
-    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
-    (benchmarks/throughput.py); this needs one uniform per row."""
+    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
+    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -283,17 +270,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
-
-    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
-    position, the value read at the last real token, which is where the score lands (N+ detail 25).
-    """
+    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
+    the value where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -307,9 +291,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
-    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
-    policy only through GAE, as the value read at the last real token."""
+    """Where the score is added: one past the last real token, or on it if the response fills every position
+    (TRL/SFD `actual_end`)."""
     return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
 
 
@@ -336,10 +319,7 @@ def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
-
-    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
-    """
+    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_length = rewards.size(1)
@@ -353,11 +333,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate objective, averaged over real tokens only.
-
-    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
-    over padding as well, which diluted them).
-    """
+    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
+    (TRL averaged them over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -464,9 +441,7 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
 # Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
 # embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
-    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
-    Training forwards run in train mode, so all of them matter."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -483,7 +458,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-# differs from ppo.py's: no frozen trunk: every block of the TL;DR policy trains
+# differs from ppo.py: no frozen trunk: every block of the TL;DR policy trains
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
@@ -491,11 +466,10 @@ def policy_logits(policy, query_responses, pad_token_id, context_length):
     return out.logits[:, :-1]
 
 
-# differs from ppo.py's: no frozen trunk, no peft
-def scalar_outputs(scalar_model, query_responses, pad_token_id):
-    """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
-    backbone = getattr(scalar_model, scalar_model.base_model_prefix)
-    return backbone(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+# differs from ppo.py: no frozen trunk, no peft
+def final_hidden_states(model, query_responses, pad_token_id):
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
+    return model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
 
 
 def score_bias(config) -> float:
@@ -508,28 +482,26 @@ def score_bias(config) -> float:
     return float(bias)
 
 
-# differs from ppo.py's: no frozen trunk; the reward model's score bias (N+ detail 12)
+# differs from ppo.py: no frozen trunk; minus the score bias it inherits from the reward model (N+ detail 18)
 def value_forward(value_model, query_responses, pad_token_id, context_length):
-    """values[:, t] is read at the hidden state just before response token t (minus the inherited `score_bias`)."""
-    hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    """values[:, t] is read at the hidden state just before response token t."""
+    hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
 
 
-# differs from ppo.py's: the score bias (N+ detail 12)
+# differs from ppo.py: minus the score bias (N+ detail 14: the reference summaries score 0 on average)
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
-    """The reward model's score at the last non-pad token of the response, its eos (N+ detail 12; the query part is
-    left-padded, so only the response part is searched), minus `score_bias`. An all-pad response is scored at the last
-    query token."""
-    hidden = scalar_outputs(reward_model, query_responses, pad_token_id)
+    """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
+    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     scores = reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
-    return scores - score_bias(reward_model.config)  # N+ detail 14: reference summaries average 0
+    return scores - score_bias(reward_model.config)
 
 
-# differs from ppo.py's: logits out for the plain log-softmax path: no fused head, no value head
+# differs from ppo.py: (logits, values) of the whole policy and value model: no fused head, no value head, no trunk
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
+    trained in TRL: trl#2463)."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -544,14 +516,8 @@ class PolicyAndValueWrapper(nn.Module):
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
-
-    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
-    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
-    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
-    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
-    """
+    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     out = policy(**inputs, use_cache=True, logits_to_keep=1)
@@ -575,23 +541,17 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    # differs from ppo.py: always response_length wide (SFD), so the longest response's score lands past its eos
-
-    width = response_length - len(tokens)
+    width = response_length - len(tokens)  # differs from ppo.py: always this wide (SFD), the last score past eos
     return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
             F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
 
 
 @contextmanager
-def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather: bool):
-    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
-
-    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
-    token. With `gather` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
-    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
-    value weights on each device."""
+def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
+    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
+    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
     policy = accelerator.unwrap_model(model).policy
-    if zero3 and gather:
+    if zero3 and gather_weights:
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(model):
@@ -601,8 +561,7 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
 
 
 def gathered_for_init(params):
-    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
-    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
     params = list(params)
     if not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
@@ -612,10 +571,8 @@ def gathered_for_init(params):
 
 
 def shard_frozen(model: nn.Module, ds_config: dict) -> None:
-    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
-    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
-    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
-    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
+    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
+    kept on the model (discarding it would remove its hooks)."""
     import deepspeed
 
     config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
@@ -639,12 +596,8 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
 
 # Plumbing: data order, checkpoints, logging
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts that `rank` samples responses for at `update` (1-based).
-
-    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
-    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
-    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
-    """
+    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
+    a pure function of its arguments, so a resumed run continues the exact data order."""
     epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * sizes.batch_size + rank * sizes.local_batch_size
@@ -664,10 +617,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
-    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
-    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
-    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
+    """accelerate's save_state written aside and renamed into place, then `latest` moved: a kill never leaves
+    a half checkpoint. `state` records the batch arithmetic, so a changed resume is refused."""
     final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while saving
@@ -699,46 +650,32 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
     return path
 
 
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
-    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
-    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
-    weights between processes, only the state is compared."""
-    if accelerator.num_processes == 1:
-        return
-    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
-    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
-    gathered = accelerator.gather(local.unsqueeze(0))
-    if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
-                           f"moments): {gathered.tolist()}")
-
-
-# differs from ppo.py's: a score-bias column instead of notes
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
-                 zero_stage: int = 0) -> None:
-    """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
-    and AdamW's two fp32 moments for the trainable parameters (activations and the rollout come on top). DeepSpeed
-    ZeRO-2 shards gradients and optimizer state over the processes; ZeRO-3 the weights too."""
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
+                 notes: list[str]) -> None:
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
+    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
                   f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process", "score bias")
+    for note in notes:
+        console.print(f"  {note}", highlight=False, markup=False)
+    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
     for name, model in models.items():
+        if model is None:
+            continue
         params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
         weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
         training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
         training /= sizes.world_size if zero_stage >= 2 else 1
-        bias = f"{score_bias(model.config):.4g}" if name in ("value model", "reward model") else ""
         table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
                       f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
                       f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
-                      f"{(weights + training) / 2**30:.2f} GiB", bias)
+                      f"{(weights + training) / 2**30:.2f} GiB")
     console.print(table)
 
 
@@ -806,7 +743,7 @@ def load_data(args: Args, accelerator: Accelerator, batch_size: int):
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
     return tokenizer, train_dataset, eval_dataset
 
-
+# differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
 def load_models(args: Args, accelerator: Accelerator, longest_response: int):
     """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
     separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
@@ -897,7 +834,7 @@ def log_metrics(metrics_file, writer: SummaryWriter, track: bool, console: Conso
     console.print(f"update {update}/{num_updates}  " + "  ".join(
         f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
 
-
+# differs from ppo.py: a temperature of its own (validation samples near-greedily)
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, tokenizer,
                      temperature: float, zero3: bool, generator: torch.Generator | None = None):
     """(responses, logprobs) sampled in chunks, the responses truncated after eos, which is kept (N+ detail 21)."""
@@ -912,7 +849,7 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
         responses = truncate_response(stop_token_id, pad_token_id, responses)
     return responses, logprobs
 
-
+# differs from ppo.py: one reward model, on token ids
 def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
                     chunk: int) -> torch.Tensor:
     """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
@@ -943,7 +880,7 @@ def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, r
     return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
                    sum(all_reference_scores.values()) / len(all_reference_scores))
 
-
+# differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
 def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_model: nn.Module, tokenizer,
              held_out: HeldOut, update: int, zero3: bool, output_dir: Path, console: Console) -> dict:
     """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
@@ -974,7 +911,7 @@ def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_mode
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
             "objective/reference_score": held_out.reference_score}
 
-
+# differs from ppo.py: no adapters, no value head
 def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
     """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
     the reward model's config, `bias` included, which `score_bias` subtracts again when it is loaded."""
@@ -1030,7 +967,9 @@ def main(args: Args) -> None:
         unwrapped = accelerator.unwrap_model(model)
         print_banner(console, run_name, args, sizes, {"policy": unwrapped.policy, "reference": ref_policy,
                                                       "value model": unwrapped.value_model,
-                                                      "reward model": reward_model}, zero_stage)
+                                                      "reward model": reward_model}, zero_stage,
+                     [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
+                      f"{score_bias(unwrapped.value_model.config):.4g}"])
     chunk = args.local_rollout_forward_batch_size
     held_out = held_out_posts(accelerator, eval_dataset, tokenizer, reward_model, chunk)
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -1184,12 +1123,11 @@ def main(args: Args) -> None:
             metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update, zero3,
                                     output_dir, console))
 
-        # 9. Logging, the replicas' agreement, checkpoint
+        # 9. Logging, checkpoint
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if accelerator.is_main_process:
             log_metrics(metrics_file, writer, args.track, console, update, sizes.num_updates, metrics)
-        check_replicas_agree(accelerator, model, update, [])  # no controller state
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
                             args.save_total_limit)
