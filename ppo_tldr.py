@@ -276,18 +276,11 @@ def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
+# differs from ppo.py: k1 and k3 only, the estimators --kl-estimator allows here
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -logr
-    if estimator == "k2":
-        return 0.5 * logr**2
-    if estimator == "k3":
-        return torch.expm1(logr) - logr
-    if estimator == "abs":
-        return logr.abs()
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
+    return -logr if estimator == "k1" else torch.expm1(logr) - logr
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -433,8 +426,6 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     if missing:
         raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
                          f"{list(TLDR_COLUMNS)}")
-    if len(ds) == 0:
-        raise ValueError(f"{flag} {name}: split {split!r} is empty")
     return ds
 
 
@@ -473,13 +464,9 @@ def final_hidden_states(model, query_responses, pad_token_id):
 
 
 def score_bias(config) -> float:
-    """The reward normalisation in the reward model's config (N+ detail 14): `config.bias`, the mean score of the
-    reference summaries, subtracted from its scores and from the values of a value model initialised from it (N+
-    detail 18). A bool `bias` is an architecture flag (Falcon), not a normalisation."""
+    """`config.bias`, the reward normalisation (N+ detail 14); a bool `bias` is an architecture flag (Falcon)."""
     bias = getattr(config, "bias", None)
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-        return 0.0
-    return float(bias)
+    return float(bias) if isinstance(bias, (int, float)) and not isinstance(bias, bool) else 0.0
 
 
 # differs from ppo.py: no frozen trunk; minus the score bias it inherits from the reward model (N+ detail 18)
@@ -690,13 +677,30 @@ def print_eval_table(console: Console, rows: list[dict], title: str, query_chars
     console.print(table)
 
 
-# Set-up, rollout and validation steps that main() calls
-def make_accelerator(args: Args) -> Accelerator:
-    """One optimizer step per minibatch of --gradient-accumulation-steps micro-batches (N+ detail 32). No DataLoader is
-    prepared (see `rollout_indices`): accelerate would also step at each epoch's end (sync_with_dataloader)."""
+# Set-up, the update's steps and validation, called from main
+@dataclass
+class Setup:
+    """What `set_up` resolved and checked before any model loads (differs from ppo.py: TL;DR's fields)."""
+    accelerator: Accelerator
+    sizes: BatchSizes
+    zero_stage: int
+    run_name: str
+    output_dir: Path
+    checkpoint: Path | None
+    run_state: dict
+    start_update: int
+    tokenizer: object
+    train_dataset: Dataset
+    eval_dataset: Dataset
+
+# differs from ppo.py: TL;DR's data, one tokenizer, no rewards to resolve
+def set_up(args: Args) -> Setup:
+    """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
+    check_args(args)
+    # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
-    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: refuse any other value
     ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
             "auto", args.gradient_accumulation_steps):
@@ -704,32 +708,36 @@ def make_accelerator(args: Args) -> Accelerator:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    if ds_plugin is not None:
-        if ds_plugin.zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
-            ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-        # no DataLoader tells DeepSpeed the micro-batch; and DeepSpeed clips inside its own step
+    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
         ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    return accelerator
-
-
-def load_data(args: Args, accelerator: Accelerator, batch_size: int):
-    """The tokenizer, and the train and held-out posts formatted, truncated and tokenised once (N+ details 1-4)."""
+    if zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
                          "in eos, where the reward model reads its score")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # N+ detail 6: with pad == eos, the eos would be masked as padding and the policy would never learn to stop
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # N+ detail 6: else the eos would be masked as padding
     train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
     eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
                                    None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
                                    "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
-    if len(train_dataset) < batch_size:
+    if len(train_dataset) < sizes.batch_size:
         raise ValueError(f"{args.dataset_name} has {len(train_dataset)} posts in {args.dataset_train_split!r}: too few "
-                         f"for one rollout batch of {batch_size}")
+                         f"for one rollout batch of {sizes.batch_size}")
     if args.eval_samples is not None:
         eval_dataset = eval_dataset.select(range(min(args.eval_samples, len(eval_dataset))))
     if len(eval_dataset) < accelerator.num_processes:
@@ -741,21 +749,34 @@ def load_data(args: Args, accelerator: Accelerator, batch_size: int):
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
-    return tokenizer, train_dataset, eval_dataset
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    start_update = 1
+    if checkpoint is not None:  # the checkpoint's run must have had the same settings
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+        if changed:
+            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                             "with the original flags, or the data order and learning rate would not continue")
+        start_update = saved["update"] + 1
+    return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
+                 train_dataset, eval_dataset)
+
 
 # differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
-def load_models(args: Args, accelerator: Accelerator, longest_response: int):
+def load_models(args: Args, setup: Setup):
     """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
     separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
-    remote = dict(trust_remote_code=args.trust_remote_code)
+    accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
     value_model_path = args.value_model_path or args.reward_model_path
     reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
     check_scalar_model(value_model_path, "value model", require_head=False, **remote)
     configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
     max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
-    if max_positions is not None and args.max_query_length + longest_response > max_positions:
+    longest = max(args.response_length, max(len(ids) for ids in setup.eval_dataset["reference_ids"]))
+    if max_positions is not None and args.max_query_length + longest > max_positions:
         raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
-                         f"({longest_response} tokens) exceeds the models' {max_positions} positions: lower "
+                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
                          "--max-query-length or --response-length")
     kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
@@ -777,71 +798,82 @@ def load_models(args: Args, accelerator: Accelerator, longest_response: int):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    ds_plugin = accelerator.state.deepspeed_plugin
-    if ds_plugin is not None and ds_plugin.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
+    if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):
             shard_frozen(m, accelerator.deepspeed_config)
-    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score alike, so that KL starts at 0
+    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
     return model, optimizer, ref_policy, reward_model
 
 
-def check_resume(checkpoint: Path | None, run_state: dict) -> int:
-    """The first update to run: 1, or the one after `checkpoint`, whose run must have had the same settings."""
-    if checkpoint is None:
-        return 1
-    saved = json.loads((checkpoint / "trainer_state.json").read_text())
-    changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
-    if changed:
-        raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                         "with the original flags, or the data order and learning rate would not continue")
-    return saved["update"] + 1
+def keep_rows_before(path: Path, start_update: int) -> None:
+    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
+    if path.exists():
+        rows = path.read_text().splitlines()
+        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
 
 
-def open_run_folder(args: Args, output_dir: Path, run_name: str, start_update: int, resumed: bool):
-    """The tokenizer as given (the [PAD] is a training-time device), args.json, metrics.jsonl (a resumed run drops
-    the rows after its checkpoint), TensorBoard events, and wandb with --track. Returns (metrics_file, writer)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
-                                  trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
-    (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-    metrics_path = output_dir / "metrics.jsonl"
-    kept = [line for line in (metrics_path.read_text().splitlines() if resumed and metrics_path.exists() else [])
-            if json.loads(line)["update"] < start_update]
-    write_atomic(metrics_path, "".join(line + "\n" for line in kept))
-    metrics_file, writer = open(metrics_path, "a"), SummaryWriter(str(output_dir))
-    if args.track:
-        import wandb
+# differs from ppo.py: the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)
+class RunLog:
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
-                   save_code=True)
-    return metrics_file, writer
+    def __init__(self, args: Args, setup: Setup, console: Console):
+        self.main_process, self.track = setup.accelerator.is_main_process, args.track
+        self.num_updates = setup.sizes.num_updates
+        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                                 disable=not self.main_process)
+        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=setup.start_update - 1)
+        if not self.main_process:
+            return
+        output_dir = setup.output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # the tokenizer as given: the [PAD] is a training-time device
+        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
+                                      trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
+        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": setup.run_name}, indent=2))
+        keep_rows_before(output_dir / "metrics.jsonl", setup.start_update)
+        self.metrics_file, self.writer = open(output_dir / "metrics.jsonl", "a"), SummaryWriter(str(output_dir))
+        if args.track:
+            import wandb
 
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=setup.run_name, save_code=True)
 
-def log_metrics(metrics_file, writer: SummaryWriter, track: bool, console: Console, update: int, num_updates: int,
-                metrics: dict) -> None:
-    """One row of metrics.jsonl, TensorBoard scalars, wandb with --track, and the headline numbers on the console."""
-    metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-    metrics_file.flush()
-    for k, v in metrics.items():
-        writer.add_scalar(k, v, update)
-    if track:
-        import wandb
+    def log(self, update: int, metrics: dict) -> None:
+        if not self.main_process:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, update)
+        if self.track:
+            import wandb
 
-        wandb.log(metrics, step=update)
-    console.print(f"update {update}/{num_updates}  " + "  ".join(
-        f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
+            wandb.log(metrics, step=update)
+        self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
+            f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.track:
+                import wandb
+
+                wandb.finish()
+
 
 # differs from ppo.py: a temperature of its own (validation samples near-greedily)
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, tokenizer,
-                     temperature: float, zero3: bool, generator: torch.Generator | None = None):
-    """(responses, logprobs) sampled in chunks, the responses truncated after eos, which is kept (N+ detail 21)."""
-    chunk, pad_token_id = args.local_rollout_forward_batch_size, tokenizer.pad_token_id
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
-        generated = [generate(policy, queries[i:i + chunk], pad_token_id, args.response_length, temperature,
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, temperature: float, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, temperature,
                               stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
@@ -849,12 +881,58 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
         responses = truncate_response(stop_token_id, pad_token_id, responses)
     return responses, logprobs
 
-# differs from ppo.py: one reward model, on token ids
+
+# differs from ppo.py: one reward model, on the policy's token ids
 def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
                     chunk: int) -> torch.Tensor:
-    """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
     return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
                                           pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+
+
+# differs from ppo.py: whole models, no frozen trunks, no full KL
+def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
+    """The reference's log-probs and the values of a rollout, in chunks."""
+    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
+    for i in range(0, query_responses.size(0), chunk):
+        qr = query_responses[i:i + chunk]
+        ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length), args.temperature,
+                                  pad_token_id)
+        ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+        del ref_logits
+        values.append(value_forward(value_model, qr, pad_token_id, context_length))
+    return torch.cat(ref_logprobs), torch.cat(values)
+
+
+STAT_METRICS = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "pg_loss": "loss/policy_avg",
+                "vf_loss": "loss/value_avg", "vf_clipfrac": "val/clipfrac_avg", "entropy": "policy/entropy_avg"}
+
+
+# differs from ppo.py: no reward components, score scaling or skipped minibatches
+def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                     contain_eos_token, sequence_lengths, stats: dict) -> dict:
+    """The update's metrics (TRL's names) averaged over processes, over real tokens only."""
+    real = (~padding_mask).float()
+    local = torch.stack([
+        kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
+        (sequence_lengths + 1).float().mean(),
+    ])
+    gathered = accelerator.gather(local.unsqueeze(0))
+    ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
+    mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+    return {
+        "objective/kl": mean_kl,
+        "objective/entropy": mean_entropy,
+        "objective/non_score_reward": mean_nsr,
+        "objective/rlhf_reward": mean_nsr + mean_scores,
+        "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
+        **{name: accelerator.gather(stats[k].unsqueeze(0)).mean().item() for k, name in STAT_METRICS.items()},
+        "val/ratio": ratio_all.mean().item(),
+        # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
+        "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
+        "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
+        "val/response_length": mean_len,
+    }
 
 
 class HeldOut(NamedTuple):
@@ -867,8 +945,8 @@ class HeldOut(NamedTuple):
 
 def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
                    chunk: int) -> HeldOut:
-    """Every world_size-th held-out post; the last wrap around to the first (and are dropped after the gather), since
-    under ZeRO-3 every forward needs every process. The references are scored once, as responses are."""
+    """Every world_size-th held-out post, the last wrapping around to the first (under ZeRO-3 every forward needs
+    every process); the references scored once, as responses are."""
     n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
     indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
     rows = eval_dataset.select(indices)
@@ -880,27 +958,28 @@ def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, r
     return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
                    sum(all_reference_scores.values()) / len(all_reference_scores))
 
+
 # differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
-def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_model: nn.Module, tokenizer,
-             held_out: HeldOut, update: int, zero3: bool, output_dir: Path, console: Console) -> dict:
+def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
+             console: Console) -> dict:
     """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
     eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
+    accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
-    pad_token_id = tokenizer.pad_token_id
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
     with torch.no_grad(), accelerator.autocast():
-        responses, _ = sample_responses(accelerator, model, held_out.queries, args, tokenizer, EVAL_TEMPERATURE, zero3,
-                                        generator)
+        responses, _ = sample_responses(accelerator, model, held_out.queries, args, setup.zero_stage == 3,
+                                        pad_token_id, stop_token_id, EVAL_TEMPERATURE, generator)
         scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
                                  args.local_rollout_forward_batch_size)
     columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
     rows = gather_object([(index, {"query": query, "reference": reference,
                                    "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
                                    "score": score}) for index, query, reference, r, score in columns])
-    # one row per post, sorted; where the last posts wrapped around, the first process's row
-    rows = [row for _, row in sorted(dict(reversed(rows)).items())]
+    rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
     if accelerator.is_main_process:
-        (output_dir / "eval").mkdir(exist_ok=True)
-        write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
+        (setup.output_dir / "eval").mkdir(exist_ok=True)
+        write_atomic(setup.output_dir / "eval" / f"update-{update:06d}.jsonl",
                      "".join(json.dumps(row) + "\n" for row in rows))
         print_eval_table(console, rows[:3], f"validation after update {update}")
         if args.track:
@@ -911,8 +990,9 @@ def evaluate(args: Args, accelerator: Accelerator, model: nn.Module, reward_mode
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
             "objective/reference_score": held_out.reference_score}
 
+
 # differs from ppo.py: no adapters, no value head
-def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path) -> None:
+def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
     """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
     the reward model's config, `bias` included, which `score_bias` subtracts again when it is loaded."""
     accelerator.wait_for_everyone()
@@ -923,64 +1003,39 @@ def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path) ->
             sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
                                 state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
                                             if k.startswith(name + ".")})
+        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
 
 def main(args: Args) -> None:
-    check_args(args)
-    accelerator = make_accelerator(args)
-    ds_plugin = accelerator.state.deepspeed_plugin
-    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
-    zero3 = zero_stage == 3
-    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
-                        accelerator.num_processes, args.total_episodes)
-    device, console = accelerator.device, Console()
-    output_dir = Path(args.output_dir) if args.output_dir else None
-    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
-    time_int = int(time.time())
-    if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
-    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
-
-    tokenizer, train_dataset, eval_dataset = load_data(args, accelerator, sizes.batch_size)
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
-    start_update = check_resume(checkpoint, run_state)
-    longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
-    model, optimizer, ref_policy, reward_model = load_models(args, accelerator, longest_response)
-
+    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    setup = set_up(args)
+    model, optimizer, ref_policy, reward_model = load_models(args, setup)
+    accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
+    device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
+    stop_token_id, zero3, console = eos_token_id if args.stop_token == "eos" else None, setup.zero_stage == 3, Console()
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
-    if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        accelerator.load_state(str(checkpoint))
+    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(setup.checkpoint))
         if accelerator.is_main_process:
-            console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
-
-    metrics_file = writer = None
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {setup.start_update}")
+    run_log = RunLog(args, setup, console)
     if accelerator.is_main_process:
-        metrics_file, writer = open_run_folder(args, output_dir, run_name, start_update, checkpoint is not None)
         unwrapped = accelerator.unwrap_model(model)
-        print_banner(console, run_name, args, sizes, {"policy": unwrapped.policy, "reference": ref_policy,
-                                                      "value model": unwrapped.value_model,
-                                                      "reward model": reward_model}, zero_stage,
-                     [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
-                      f"{score_bias(unwrapped.value_model.config):.4g}"])
+        print_banner(console, setup.run_name, args, sizes, {
+            "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
+            "reward model": reward_model}, setup.zero_stage,
+            [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
+             f"{score_bias(unwrapped.value_model.config):.4g}"])
     chunk = args.local_rollout_forward_batch_size
-    held_out = held_out_posts(accelerator, eval_dataset, tokenizer, reward_model, chunk)
+    held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    checkpoints = output_dir / "checkpoints"
-    start_time = time.time()
-    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not accelerator.is_main_process)
-    progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
-    progress.start()
-
+    checkpoints = setup.output_dir / "checkpoints"
+    start_update, start_time = setup.start_update, time.time()
+    run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
         # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
@@ -994,8 +1049,8 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
-            responses, logprobs = sample_responses(accelerator, model, queries, args, tokenizer, args.temperature,
-                                                   zero3)
+            responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
+                                                   stop_token_id, args.temperature)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
@@ -1003,16 +1058,9 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 3. Scoring forwards: reference log-probs, values and the reward model's scores
-            ref_logprobs, values = [], []
-            for i in range(0, queries.size(0), chunk):
-                qr = query_responses[i:i + chunk]
-                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
-                                          args.temperature, pad_token_id)
-                ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
-                del ref_logits
-                values.append(value_forward(accelerator.unwrap_model(model).value_model, qr, pad_token_id,
-                                            context_length))
-            ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
+            ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
+                                                        query_responses, response_ids, context_length, args,
+                                                        pad_token_id)
             scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
 
@@ -1038,18 +1086,16 @@ def main(args: Args) -> None:
         #    micro-batches each
         timer = time.perf_counter()
         model.train()
-        stats = {k: torch.zeros(stats_shape, device=device) for k in
-                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        stats = {k: torch.zeros(stats_shape, device=device) for k in [*STAT_METRICS, "ratio"]}
         optimizer_steps = 0
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             b_inds = np.random.permutation(sizes.local_batch_size)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                for micro_idx, micro_start in enumerate(range(0, sizes.local_mini_batch_size,
-                                                              args.per_device_train_batch_size)):
+                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
-                                                              + args.per_device_train_batch_size], device=device)
                         logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
                         logits = scale_logits(logits, args.temperature, pad_token_id)
                         new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
@@ -1060,11 +1106,10 @@ def main(args: Args) -> None:
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
-                        nonfinite = torch.tensor(float(not torch.isfinite(loss)), device=device)
-                        if accelerator.reduce(nonfinite, "sum") > 0:  # every rank stops together
-                            raise FloatingPointError(
-                                f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}): "
-                                f"non-finite loss on some rank; the last good checkpoint is kept in {checkpoints}")
+                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
+                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
+                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
+                                                     f"good checkpoint is kept in {checkpoints}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -1082,70 +1127,36 @@ def main(args: Args) -> None:
 
         # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
         with torch.no_grad():
-            real = (~padding_mask).float()
-            local = torch.stack([
-                kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-                non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
-                (sequence_lengths + 1).float().mean(),
-            ])
-            gathered = accelerator.gather(local.unsqueeze(0))
-            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
-            stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
-            mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
-            metrics = {
-                "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                "objective/kl": mean_kl,
-                "objective/entropy": mean_entropy,
-                "objective/non_score_reward": mean_nsr,
-                "objective/rlhf_reward": mean_nsr + mean_scores,
-                "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
-                "policy/approxkl_avg": stat_means["approxkl"],
-                "policy/clipfrac_avg": stat_means["pg_clipfrac"],
-                "loss/policy_avg": stat_means["pg_loss"],
-                "loss/value_avg": stat_means["vf_loss"],
-                "val/clipfrac_avg": stat_means["vf_clipfrac"],
-                "policy/entropy_avg": stat_means["entropy"],
-                "val/ratio": ratio_all.mean().item(),
-                # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
-                "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-                "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
-                "val/response_length": mean_len,
-                "policy/optimizer_steps": optimizer_steps,
-                "time/generation": time_generation,  # seconds on rank 0: sampling
-                "time/scoring": time_scoring,  # reference, value and reward forwards
-                "time/training": time_training,  # PPO epochs
-                "lr": lr,
-                "episode": episode,
-            }
+            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
+                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                                          contain_eos_token, sequence_lengths, stats)}
+        metrics.update({
+            "policy/optimizer_steps": optimizer_steps,
+            "time/generation": time_generation,  # seconds on rank 0: sampling
+            "time/scoring": time_scoring,  # reference, value and reward forwards
+            "time/training": time_training,  # PPO epochs
+            "lr": lr,
+            "episode": episode,
+        })
 
         # 8. Validation every eval_every updates and after the last one (N+ detail 30)
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(args, accelerator, model, reward_model, tokenizer, held_out, update, zero3,
-                                    output_dir, console))
+            metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
 
         # 9. Logging, checkpoint
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if accelerator.is_main_process:
-            log_metrics(metrics_file, writer, args.track, console, update, sizes.num_updates, metrics)
+        run_log.log(update, metrics)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
+            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
-        progress.update(progress_task, advance=1)
+        run_log.progress.update(run_log.task, advance=1)
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
-    progress.stop()
+    run_log.close()
 
     # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
     #     process that exits while gloo/NCCL threads still run can abort)
-    save_models(accelerator, model, output_dir)
-    if accelerator.is_main_process:
-        metrics_file.close()
-        writer.close()
-        if args.track:
-            import wandb
-
-            wandb.finish()
-        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+    save_models(accelerator, model, setup.output_dir, console)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
