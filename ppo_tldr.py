@@ -9,7 +9,7 @@ import random
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
@@ -690,6 +690,7 @@ class Setup:
     run_state: dict
     start_update: int
     tokenizer: object
+    stop_token_id: int | None
     train_dataset: Dataset
     eval_dataset: Dataset
 
@@ -759,8 +760,9 @@ def set_up(args: Args) -> Setup:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags, or the data order and learning rate would not continue")
         start_update = saved["update"] + 1
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
     return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
-                 train_dataset, eval_dataset)
+                 stop_token_id, train_dataset, eval_dataset)
 
 
 # differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
@@ -867,13 +869,12 @@ class RunLog:
                 wandb.finish()
 
 
-# differs from ppo.py: a temperature of its own (validation samples near-greedily)
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, temperature: float, generator=None):
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
     chunk = args.local_rollout_forward_batch_size
     with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, temperature,
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
                               stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
@@ -966,10 +967,10 @@ def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module
     eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
     accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+    eval_args = replace(args, temperature=EVAL_TEMPERATURE)
     with torch.no_grad(), accelerator.autocast():
-        responses, _ = sample_responses(accelerator, model, held_out.queries, args, setup.zero_stage == 3,
-                                        pad_token_id, stop_token_id, EVAL_TEMPERATURE, generator)
+        responses, _ = sample_responses(accelerator, model, held_out.queries, eval_args, setup.zero_stage == 3,
+                                        pad_token_id, setup.stop_token_id, generator)
         scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
                                  args.local_rollout_forward_batch_size)
     columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
@@ -1012,7 +1013,7 @@ def main(args: Args) -> None:
     model, optimizer, ref_policy, reward_model = load_models(args, setup)
     accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
     device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
-    stop_token_id, zero3, console = eos_token_id if args.stop_token == "eos" else None, setup.zero_stage == 3, Console()
+    zero3, console = setup.zero_stage == 3, Console()
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -1050,7 +1051,7 @@ def main(args: Args) -> None:
         with torch.no_grad(), accelerator.autocast():
             # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
             responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
-                                                   stop_token_id, args.temperature)
+                                                   setup.stop_token_id)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
