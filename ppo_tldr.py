@@ -992,6 +992,11 @@ def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module
             "objective/reference_score": held_out.reference_score}
 
 
+def sub_state(state_dict: dict, name: str) -> dict:
+    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
+    return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
+
 # differs from ppo.py: no adapters, no value head
 def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
     """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
@@ -1000,10 +1005,9 @@ def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, co
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
-        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
-                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
-                                            if k.startswith(name + ".")})
+        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
+        unwrapped.value_model.save_pretrained(output_dir / "value_model",
+                                              state_dict=sub_state(state_dict, "value_model"))
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
 
