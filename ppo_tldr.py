@@ -1,9 +1,6 @@
-# PPO on Reddit TL;DR summarization, CleanRL style: the setup of "The N+ Implementation Details of RLHF with PPO: A Case
-# Study on TL;DR Summarization" (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD"), in one
-# file read top to bottom. Docs: README.md. A sibling of ppo.py (the flags they share, the metric names and the
-# checkpoints are the same), written to stand alone: nothing is imported from it. "N+ detail k" refers to the numbered
-# list in the README's TL;DR section (reconstructed from the SFD code); where TRL's PPOTrainer had a bug, the fix is
-# named in a comment with the word "TRL".
+# PPO on Reddit TL;DR summarization, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al.,
+# 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD") in one file. Docs: README.md. It imports nothing from
+# ppo.py; "N+ detail k" is the README's numbered TL;DR list, and "TRL" marks a fix of TRL's PPOTrainer.
 import copy
 import json
 import math
@@ -12,7 +9,7 @@ import random
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
@@ -34,6 +31,8 @@ INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy bo
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
 TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
+CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                   "objective/validation_score")
 
 
 @dataclass
@@ -52,7 +51,7 @@ class Args:
     output_dir: str | None = None
     """the run's folder (models, args.json, metrics.jsonl, eval/ tables); default runs/{run_name}"""
 
-    # models: each a hub id or a local directory. The defaults are the paper's Pythia-1B SFT policy and reward model.
+    # models: each a hub id or a local directory; the defaults are the paper's Pythia-1B SFT policy and reward model
     sft_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
     """the policy to train, also the frozen reference (N+ detail 19)"""
     reward_model_path: str = "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
@@ -60,8 +59,7 @@ class Args:
     value_model_path: str | None = None
     """initialises the value model; default: the reward model (N+ detail 18)"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype every model loads in (TRL's name; auto: as saved); float32, because AdamW's small steps round away in
-    bf16 weights (trl#4778). Mixed precision comes from `accelerate launch --mixed_precision bf16`"""
+    """the dtype every model loads in (auto: as saved); float32: AdamW's small steps round away in bf16 (trl#4778)"""
 
     # data: a hub id, a local dataset directory, a `save_to_disk` directory, or a .json/.jsonl/.parquet/.csv file
     dataset_name: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
@@ -81,7 +79,7 @@ class Args:
     eval_every: int = 100
     """validate every N updates, and always after the last one (0: only after the last)"""
 
-    # batch sizes (see `batch_sizes` below for the arithmetic). Defaults: TRL's documented 8-GPU run, batch 512
+    # batch sizes (see `batch_sizes`); the defaults are TRL's documented 8-GPU run, batch 512
     total_episodes: int = 1_000_000
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 16
@@ -143,8 +141,7 @@ class Args:
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
-    """DeepSpeed ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the sharded
-    weights, slowly, when the whole policy does not fit on one device)"""
+    """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
 
 
 # The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
@@ -166,7 +163,7 @@ def in_interval(value: float, interval: str) -> bool:
                                                                        value < high)
 
 
-# differs from ppo.py's: the TL;DR script's own flags
+# differs from ppo.py: the TL;DR script's own flags
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
     for name, interval in FLAG_RANGES.items():
@@ -181,11 +178,11 @@ def check_args(args: Args) -> None:
     if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
         raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
                          f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.whiten_rewards and local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Batch-size arithmetic
-# ----------------------------------------------------------------------------------------------------------------
 class BatchSizes(NamedTuple):
     world_size: int
     local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
@@ -196,14 +193,7 @@ class BatchSizes(NamedTuple):
 
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
-    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic; TRL's `per_device * GA` broke this when
-    num_mini_batches > 1). SFD floors num_updates (1,953 at the defaults on 8 GPUs); here, as TRL, it is the ceiling.
-
-    local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
-    local_batch_size      = local_mini_batch_size * num_mini_batches
-    batch_size            = local_batch_size * world_size
-    num_updates           = ceil(total_episodes / batch_size)
-    """
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
                     ("num_mini_batches", num_mini_batches), ("world_size", world_size),
@@ -217,10 +207,7 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
                       batch_size, math.ceil(total_episodes / batch_size))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Small pure helpers: the same as ppo.py's, which tests/test_math.py checks against naive float64 loops
-# (tests/test_tldr.py checks that these copies still compute what ppo.py's do)
-# ----------------------------------------------------------------------------------------------------------------
+# PPO math: the same as ppo.py's (tests/test_math.py checks those against naive float64 loops, test_tldr.py the copies)
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -236,12 +223,8 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """The sampling distribution, in float32 or wider: logits / (T + 1e-7), with the pad id never sampled.
-
-    Every forward (rollout, reference, training) goes through here, so the ratio is exactly 1 before the first
-    optimizer step (N+ detail 23). Pad is a bookkeeping id: if it lies inside the model's vocabulary and were sampled,
-    the response would silently end there, so it gets the lowest logit.
-    """
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
+    exactly 1 (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -249,10 +232,8 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` (rows, vocab): the first index whose cumulative probability (float64, rescaled to
-    sum to 1) exceeds the row's uniform in [0, 1). A zero-probability token is never drawn. torch.multinomial draws
-    one exponential variate per vocabulary entry, which took about half of the rollout on a CPU
-    (benchmarks/throughput.py); this needs one uniform per row."""
+    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
+    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -289,33 +270,22 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """True where a response position is padding. `sequence_lengths` is the index of each last real token.
-
-    padding_mask masks everything after the last real token (policy loss, KL). padding_mask_p1 keeps one more
-    position, the value read at the last real token, which is where the score lands (N+ detail 25).
-    """
+    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
+    the value where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
+# differs from ppo.py: k1 and k3 only, the estimators --kl-estimator allows here
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -logr
-    if estimator == "k2":
-        return 0.5 * logr**2
-    if estimator == "k3":
-        return torch.expm1(logr) - logr
-    if estimator == "abs":
-        return logr.abs()
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
+    return -logr if estimator == "k1" else torch.expm1(logr) - logr
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token (the first pad), or on the last token if the response
-    filled all positions (TRL/SFD `actual_end`). There kl is 0 and the policy loss is masked: the score reaches the
-    policy only through GAE, as the value read at the last real token."""
+    """Where the score is added: one past the last real token, or on it if the response fills every position
+    (TRL/SFD `actual_end`)."""
     return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
 
 
@@ -328,11 +298,21 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
     return rewards, non_score_reward
 
 
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over the full padded length, bootstrapping with 0 after the last position.
+def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
+                           missing_eos_penalty: float) -> torch.Tensor:
+    """The score of a response without eos (N+ detail 22): `replace`d by penalty_reward_value (SFD), the penalty
+    subtracted from it (TRL), or kept (`none`)."""
+    if rule == "replace":
+        return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
+    if rule == "subtract":
+        return scores - missing_eos_penalty * (~contain_eos).to(scores.dtype)
+    if rule == "none":
+        return scores
+    raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
 
-    Returns (advantages, returns) with returns = advantages + values, taken BEFORE any advantage whitening.
-    """
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
+    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_length = rewards.size(1)
@@ -346,11 +326,8 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate objective, averaged over real tokens only.
-
-    Returns (loss, clipfrac, approxkl, ratio_mean); the statistics are masked too (TRL averaged approxkl and ratio
-    over padding as well, which diluted them).
-    """
+    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
+    (TRL averaged them over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -376,16 +353,86 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
+# TL;DR data: queries, references, loading (tests/test_tldr.py checks each)
+def format_query(subreddit: str, title: str, post: str) -> str:
+    return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
+
+
+def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
+                   max_query_length: int) -> tuple[str, list[int]]:
+    """The query and its tokens, the post cut until it fits (N+ detail 2): at its last newline (SFD), then at its last
+    space (SFD: one character at a time, the same cut rounded to a word), then one character."""
+    while True:
+        query = format_query(subreddit, title, post)
+        ids = encode(query)
+        if len(ids) <= max_query_length:
+            return query, ids
+        if not post:
+            raise ValueError(f"the query for the post titled {title[:80]!r} is {len(ids)} tokens with an empty post: "
+                             f"--max-query-length {max_query_length} is too small for its subreddit and title")
+        cut = post.rfind("\n")
+        if cut < 0:
+            cut = post.rfind(" ")
+        post = post[:cut] if cut >= 0 else post[:-1]
+
+
+def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
+    """For `Dataset.map(batched=True)`: the truncated query's text and tokens, and the reference's tokens: " " +
+    summary + the eos id (N+ detail 4), as the reward model was trained. A query may not end in eos."""
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
+    out = {"query": [], "input_ids": [], "reference_ids": []}
+    for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
+        query, ids = truncate_query(encode, subreddit, title, post, max_query_length)
+        if ids[-1] == tokenizer.eos_token_id:
+            raise ValueError(f"the query for {title[:80]!r} ends in the eos token: the tokenizer appends eos to every "
+                             "text (e.g. add_eos_token=True); use a tokenizer that does not")
+        out["query"].append(query)
+        out["input_ids"].append(ids)
+        out["reference_ids"].append(tokenizer(" " + summary, add_special_tokens=False)["input_ids"]
+                                    + [tokenizer.eos_token_id])
+    return out
+
+
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
     width = max(len(s) for s in sequences)
     return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
 
+def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
+    """A hub id, a dataset directory, a `save_to_disk` directory, or a json/jsonl/parquet/csv file (one split: `split`
+    is not used). Refuses data without the TL;DR columns."""
+    path = Path(name)
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
+            ds = load_dataset(kind, data_files=str(path), split="train")
+        except (StopIteration, ValueError) as error:
+            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
+    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = load_from_disk(str(path))
+        if isinstance(ds, DatasetDict):
+            if split not in ds:
+                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
+            ds = ds[split]
+    else:
+        try:
+            ds = load_dataset(name, config, split=split)
+        except ValueError as e:  # datasets' message names the splits there are
+            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
+    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
+                         f"{list(TLDR_COLUMNS)}")
+    return ds
+
+
+# Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
+# embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout modules, the attention dropout that attention modules keep as a
-    float and apply only in train mode, and peft's LoHa/LoKr rank and module dropouts (floats by adapter name).
-    Training forwards run in train mode, so all of them matter."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -396,18 +443,13 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Model forwards. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD]
-# token added to the tokenizer needs no embedding resize (N+ detail 6). Explicit position ids keep left padding
-# correct for absolute-position models.
-# ----------------------------------------------------------------------------------------------------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-# differs from ppo.py's: no frozen trunk: every block of the TL;DR policy trains
+# differs from ppo.py: no frozen trunk: every block of the TL;DR policy trains
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
@@ -415,49 +457,38 @@ def policy_logits(policy, query_responses, pad_token_id, context_length):
     return out.logits[:, :-1]
 
 
-# differs from ppo.py's: no frozen trunk, no peft
-def scalar_outputs(scalar_model, query_responses, pad_token_id):
-    """Final hidden states of a sequence-classification model's backbone (its `score` head is applied by callers)."""
-    backbone = getattr(scalar_model, scalar_model.base_model_prefix)
-    return backbone(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+# differs from ppo.py: no frozen trunk, no peft
+def final_hidden_states(model, query_responses, pad_token_id):
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
+    return model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
 
 
 def score_bias(config) -> float:
-    """The reward normalisation the N+ reward code stores in the model's config (N+ detail 14): `config.bias` = the
-    reward model's mean score on the reference summaries, subtracted from every score so that references average 0.
-
-    Scores here are always `score(backbone(x))`, never the model's own forward, so no model class applies it for us:
-    it is subtracted below, for the reward model and for a value model initialised from it, whose config carries the
-    same bias (SFD's critic is the reward model's class, whose forward subtracts it: N+ detail 18). Only a number
-    counts: a bool `bias` is an architecture flag (Falcon: linear layers with biases), not a normalisation."""
+    """`config.bias`, the reward normalisation (N+ detail 14); a bool `bias` is an architecture flag (Falcon)."""
     bias = getattr(config, "bias", None)
-    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-        return 0.0
-    return float(bias)
+    return float(bias) if isinstance(bias, (int, float)) and not isinstance(bias, bool) else 0.0
 
 
-# differs from ppo.py's: no frozen trunk; the reward model's score bias (N+ detail 12)
+# differs from ppo.py: no frozen trunk; minus the score bias it inherits from the reward model (N+ detail 18)
 def value_forward(value_model, query_responses, pad_token_id, context_length):
-    """values[:, t] is read at the hidden state just before response token t (minus the inherited `score_bias`)."""
-    hidden = scalar_outputs(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    """values[:, t] is read at the hidden state just before response token t."""
+    hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
 
 
-# differs from ppo.py's: the score bias (N+ detail 12)
+# differs from ppo.py: minus the score bias (N+ detail 14: the reference summaries score 0 on average)
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
-    """The reward model's score at the last non-pad token of the response, its eos (N+ detail 12; the query part is
-    left-padded, so only the response part is searched), minus `score_bias`. An all-pad response is scored at the last
-    query token."""
-    hidden = scalar_outputs(reward_model, query_responses, pad_token_id)
+    """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
+    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     scores = reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
-    return scores - score_bias(reward_model.config)  # N+ detail 14: reference summaries average 0
+    return scores - score_bias(reward_model.config)
 
 
-# differs from ppo.py's: logits out for the plain log-softmax path: no fused head, no value head
+# differs from ppo.py: (logits, values) of the whole policy and value model: no fused head, no value head, no trunk
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value model as one module, so one accelerator.prepare (and one optimizer) covers both networks:
-    TRL once built the optimizer on the policy only and the critic never trained (trl#2463)."""
+    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
+    trained in TRL: trl#2463)."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -472,14 +503,8 @@ class PolicyAndValueWrapper(nn.Module):
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; return (responses, logprobs).
-
-    Pure temperature sampling: no top-k, no top-p, and no model generation_config can leak in (transformers#42762
-    silently changed TRL's sampling distribution). The log-prob of each sampled token is kept as it is drawn, so no
-    (batch, length, vocab) tensor is stored. Sampling stops once every row has produced the stop token; tokens after
-    it are cut by `truncate_response`. `synced`: stop only once every process is done, because each forward of a
-    ZeRO-3-sharded policy gathers its weights from all processes (transformers calls this synced_gpus).
-    """
+    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     out = policy(**inputs, use_cache=True, logits_to_keep=1)
@@ -503,23 +528,17 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    # differs from ppo.py: always response_length wide (SFD), so the longest response's score lands past its eos
-
-    width = response_length - len(tokens)
+    width = response_length - len(tokens)  # differs from ppo.py: always this wide (SFD), the last score past eos
     return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
             F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
 
 
 @contextmanager
-def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather: bool):
-    """The policy to sample from, and whether its processes must step together (`generate`'s `synced`).
-
-    Under ZeRO-3 each process holds a shard of the weights, and every forward would gather them again, token after
-    token. With `gather` they are gathered once for the whole rollout, and DeepSpeed's per-module hooks are lifted
-    meanwhile (`unwrap_model_for_generation`, TRL's ds3_gather_for_generation); it costs one full copy of policy and
-    value weights on each device."""
+def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
+    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
+    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
     policy = accelerator.unwrap_model(model).policy
-    if zero3 and gather:
+    if zero3 and gather_weights:
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(model):
@@ -529,8 +548,7 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
 
 
 def gathered_for_init(params):
-    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0 on exit (a plain
-    context when the weights are not sharded, i.e. without DeepSpeed's zero3_init_flag)."""
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
     params = list(params)
     if not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
@@ -540,10 +558,8 @@ def gathered_for_init(params):
 
 
 def shard_frozen(model: nn.Module, ds_config: dict) -> None:
-    """A frozen model (reference, reward) sharded over the processes like the trained ones, as a ZeRO-3 inference
-    engine (TRL's prepare_deepspeed, SFD's inference engines). The model is called as before: DeepSpeed's hooks on its
-    modules gather each one's weights. The engine is kept on the model, since discarding it would remove the hooks; it
-    is not handed out, because its own attributes (`config` is DeepSpeed's) would shadow the model's."""
+    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
+    kept on the model (discarding it would remove its hooks)."""
     import deepspeed
 
     config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
@@ -552,17 +568,33 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
-def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts that `rank` samples responses for at `update` (1-based).
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
 
-    Each pass over the data is a fresh permutation, the same on every rank; it is cut into batches of `batch_size`
-    (a short last batch is dropped) and each batch into one shard per rank. A pure function of its arguments, so
-    processes never need to agree on a data-loader state, and a resumed run continues the exact data order.
-    """
+
+# Plumbing: data order, checkpoints, logging
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
+    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
+    a pure function of its arguments, so a resumed run continues the exact data order."""
     epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * sizes.batch_size + rank * sizes.local_batch_size
     return permutation[start:start + sizes.local_batch_size]
+
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -572,10 +604,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """Model, optimizer and every rank's RNG states through accelerate's save_state (DeepSpeed-aware), written aside and
-    renamed into place, then the `latest` pointer moved: a kill at any moment leaves the previous checkpoint whole.
-    Everything else (episode counter, learning rate, data position) is a function of the update number; `state` records
-    it with the batch arithmetic it assumes, so a resume with other settings can be refused."""
+    """accelerate's save_state written aside and renamed into place, then `latest` moved: a kill never leaves
+    a half checkpoint. `state` records the batch arithmetic, so a changed resume is refused."""
     final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while saving
@@ -607,174 +637,32 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
     return path
 
 
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# TL;DR specifics: queries, references, the missing-eos rule (tests/test_tldr.py checks each)
-# ----------------------------------------------------------------------------------------------------------------
-def format_query(subreddit: str, title: str, post: str) -> str:
-    return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
-
-
-def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
-                   max_query_length: int) -> tuple[str, list[int]]:
-    """The query and its tokens, with the post cut until the query fits `max_query_length` tokens (N+ detail 2).
-
-    As SFD's tldr_dataset.py (after OpenAI's tasks.py): repeatedly cut the post at its last newline, so whole
-    paragraphs go first; with no newline left, at its last space (SFD drops one character at a time there: the same
-    cut, rounded to a whole word); with no space left, one character. SUBREDDIT, TITLE and the closing "TL;DR:"
-    always stay. Raises ValueError if even an empty post does not fit.
-    """
-    while True:
-        query = format_query(subreddit, title, post)
-        ids = encode(query)
-        if len(ids) <= max_query_length:
-            return query, ids
-        if not post:
-            raise ValueError(f"the query for the post titled {title[:80]!r} is {len(ids)} tokens with an empty post: "
-                             f"--max-query-length {max_query_length} is too small for its subreddit and title")
-        cut = post.rfind("\n")
-        if cut < 0:
-            cut = post.rfind(" ")
-        post = post[:cut] if cut >= 0 else post[:-1]
-
-
-def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
-    """For `Dataset.map(batched=True)`: the truncated query text and tokens, and the reference tokens.
-
-    The reference is " " + summary + eos (N+ detail 4): the summaries carry no leading space, and the reward model was
-    trained on responses that end in eos. The eos id is appended, not written as text, so no tokenizer can split it.
-    The query's last token must not be eos (TRL's ppo_tldr.py asserts it too): with a tokenizer that appends eos, the
-    policy would be asked to write after an end-of-text, which neither it nor the reward model was trained on."""
-    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
-    out = {"query": [], "input_ids": [], "reference_ids": []}
-    for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
-        query, ids = truncate_query(encode, subreddit, title, post, max_query_length)
-        if ids[-1] == tokenizer.eos_token_id:
-            raise ValueError(f"the query for {title[:80]!r} ends in the eos token: the tokenizer appends eos to every "
-                             "text (e.g. add_eos_token=True); use a tokenizer that does not")
-        out["query"].append(query)
-        out["input_ids"].append(ids)
-        out["reference_ids"].append(tokenizer(" " + summary, add_special_tokens=False)["input_ids"]
-                                    + [tokenizer.eos_token_id])
-    return out
-
-
-def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
-                           missing_eos_penalty: float) -> torch.Tensor:
-    """The score of a response that never produced eos (N+ detail 22: the policy must learn to end its summary).
-
-    replace  (N+ / SFD): the score becomes `penalty_reward_value` (-1), whatever the reward model said;
-    subtract (TRL):      `missing_eos_penalty` is subtracted from the score;
-    none:                the score is kept."""
-    if rule == "replace":
-        return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
-    if rule == "subtract":
-        return scores - missing_eos_penalty * (~contain_eos).to(scores.dtype)
-    if rule == "none":
-        return scores
-    raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
-
-
-def right_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Right-pad token lists into one (batch, longest) tensor: responses start right after the query."""
-    width = max(len(s) for s in sequences)
-    return torch.tensor([list(s) + [pad_token_id] * (width - len(s)) for s in sequences], dtype=torch.long)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading and checks
-# ----------------------------------------------------------------------------------------------------------------
-def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
-    """A hub id, a dataset directory (e.g. train.jsonl + validation.jsonl), a `save_to_disk` directory, or a
-    json/jsonl/parquet/csv file (one split: `split` is not used). Refuses data without the TL;DR columns."""
-    path = Path(name)
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
-            ds = load_dataset(kind, data_files=str(path), split="train")
-        except (StopIteration, ValueError) as error:
-            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
-    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        ds = load_from_disk(str(path))
-        if isinstance(ds, DatasetDict):
-            if split not in ds:
-                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
-            ds = ds[split]
-    else:
-        try:
-            ds = load_dataset(name, config, split=split)
-        except ValueError as e:  # datasets' message names the splits there are
-            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
-    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
-                         f"{list(TLDR_COLUMNS)}")
-    if len(ds) == 0:
-        raise ValueError(f"{flag} {name}: split {split!r} is empty")
-    return ds
-
-
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
-    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    archs = config.architectures or []
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    if require_head and not is_classifier:
-        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
-                         "(AutoModelForSequenceClassification with num_labels=1)")
-    if is_classifier and config.num_labels != 1:
-        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
-
-
-def check_replicas_agree(accelerator: Accelerator, model: nn.Module, update: int, state: list[float]) -> None:
-    """Data-parallel replicas must hold identical weights after every update (gradients are averaged before each step),
-    and the same controller `state` (KL coefficient, score moments). A float64 checksum per process, compared across
-    processes, catches a silent divergence at the update it happens. Under DeepSpeed, whose ZeRO stages shard the
-    weights between processes, only the state is compared."""
-    if accelerator.num_processes == 1:
-        return
-    weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
-               if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
-    local = torch.cat([weights.reshape(1), torch.tensor(state, dtype=torch.float64)]).to(accelerator.device)
-    gathered = accelerator.gather(local.unsqueeze(0))
-    if not torch.all(gathered == gathered[0]):
-        raise RuntimeError(f"update {update}: the processes disagree (weight checksum, KL coefficient, score "
-                           f"moments): {gathered.tolist()}")
-
-
-# differs from ppo.py's: a score-bias column instead of notes
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict,
-                 zero_stage: int = 0) -> None:
-    """The resolved batch arithmetic, and per model an estimate of its memory on each process: weights, plus gradients
-    and AdamW's two fp32 moments for the trainable parameters (activations and the rollout come on top). DeepSpeed
-    ZeRO-2 shards gradients and optimizer state over the processes; ZeRO-3 the weights too."""
+def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
+                 notes: list[str]) -> None:
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
+    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
     console.print(f"[bold]{run_name}[/bold]\n"
                   f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
                   f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of {args.per_device_train_batch_size}"
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}"
                   f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
                   f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process", "score bias")
+    for note in notes:
+        console.print(f"  {note}", highlight=False, markup=False)
+    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
     for name, model in models.items():
+        if model is None:
+            continue
         params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
         weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
         training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
         training /= sizes.world_size if zero_stage >= 2 else 1
-        bias = f"{score_bias(model.config):.4g}" if name in ("value model", "reward model") else ""
         table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
                       f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
                       f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
-                      f"{(weights + training) / 2**30:.2f} GiB", bias)
+                      f"{(weights + training) / 2**30:.2f} GiB")
     console.print(table)
 
 
@@ -789,17 +677,30 @@ def print_eval_table(console: Console, rows: list[dict], title: str, query_chars
     console.print(table)
 
 
-def main(args: Args) -> None:
-    # ============================================================================================================
-    # 0. Set-up: validate everything cheap before any model is loaded
-    # ============================================================================================================
+# Set-up, the update's steps and validation, called from main
+@dataclass
+class Setup:
+    """What `set_up` resolved and checked before any model loads (differs from ppo.py: TL;DR's fields)."""
+    accelerator: Accelerator
+    sizes: BatchSizes
+    zero_stage: int
+    run_name: str
+    output_dir: Path
+    checkpoint: Path | None
+    run_state: dict
+    start_update: int
+    tokenizer: object
+    stop_token_id: int | None
+    train_dataset: Dataset
+    eval_dataset: Dataset
+
+# differs from ppo.py: TL;DR's data, one tokenizer, no rewards to resolve
+def set_up(args: Args) -> Setup:
+    """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
     check_args(args)
-    # One optimizer step per minibatch of gradient_accumulation_steps micro-batches (N+ detail 32; TRL's arithmetic
-    # broke it for num_mini_batches > 1). There is no prepared DataLoader (see `rollout_indices`): with one, accelerate
-    # would also step after every micro-batch of each update that used an epoch's last batch (sync_with_dataloader).
+    # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    # accelerate quietly prefers a launcher's or a DeepSpeed config's accumulation value: any other value would break
-    # "one optimizer step per minibatch", so refuse it here.
+    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
     ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
     if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
@@ -808,47 +709,29 @@ def main(args: Args) -> None:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-    if zero3:  # the final save consolidates the shards into one loadable checkpoint
-        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    if ds_plugin is not None:
-        # No DataLoader is prepared, so DeepSpeed cannot infer its micro-batch; and it clips inside its own step
+    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
         ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+    if zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
-    if args.whiten_rewards and sizes.local_batch_size < 8:
-        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    device = accelerator.device
-    console = Console()
-    checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if args.resume else None
-    remote = dict(trust_remote_code=args.trust_remote_code)
-    model_kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
-    value_model_path = args.value_model_path or args.reward_model_path
-    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-    model_config = AutoConfig.from_pretrained(args.sft_model_path, **remote)
-
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=device))[0])
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
-
-    # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6).
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote)
+    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
+                                              trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
                          "in eos, where the reward model reads its score")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # With pad == eos, first_true_indices(response == pad) finds the eos itself: the eos action is masked out and
-        # the reward model reads the token before it, so the policy never learns to stop.
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad_token_id, eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    stop_token_id = eos_token_id if args.stop_token == "eos" else None
-
-    # posts: formatted, truncated and tokenised once (one process per machine first, the others read its cache)
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # N+ detail 6: else the eos would be masked as padding
     train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
     eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
                                    None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
@@ -861,165 +744,306 @@ def main(args: Args) -> None:
     if len(eval_dataset) < accelerator.num_processes:
         raise ValueError(f"{len(eval_dataset)} held-out posts cannot be shared by {accelerator.num_processes} "
                          "processes: raise --eval-samples")
-    with accelerator.local_main_process_first():
-        tokenize = dict(function=tokenize_tldr, batched=True, fn_kwargs=dict(tokenizer=tokenizer,
-                                                                            max_query_length=args.max_query_length))
+    tokenize = dict(function=tokenize_tldr, batched=True,
+                    fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
+    with accelerator.local_main_process_first():  # the other processes read the first one's cache
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
-    # queries (at most --max-query-length tokens), responses and references must fit the positions of the policy and
-    # the reward model
-    max_positions = min((p for p in (getattr(model_config, "max_position_embeddings", None),
-                                     getattr(reward_config, "max_position_embeddings", None)) if p), default=None)
-    longest_response = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
-    if max_positions is not None and args.max_query_length + longest_response > max_positions:
-        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
-                         f"({longest_response} tokens) exceeds the models' {max_positions} positions: lower "
-                         "--max-query-length or --response-length")
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset))
-    if checkpoint is not None:
+    start_update = 1
+    if checkpoint is not None:  # the checkpoint's run must have had the same settings
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
         changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
         if changed:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags, or the data order and learning rate would not continue")
+        start_update = saved["update"] + 1
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+    return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
+                 stop_token_id, train_dataset, eval_dataset)
 
-    # ============================================================================================================
-    # 1. Models: policy, frozen reference (N+ detail 19), value model initialised from the reward model (N+ detail
-    #    18), reward model. Separate networks, no shared trunk (N+ detail 17).
-    # ============================================================================================================
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **model_kwargs)
+
+# differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
+def load_models(args: Args, setup: Setup):
+    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
+    separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
+    accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
+    value_model_path = args.value_model_path or args.reward_model_path
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
+    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
+    longest = max(args.response_length, max(len(ids) for ids in setup.eval_dataset["reference_ids"]))
+    if max_positions is not None and args.max_query_length + longest > max_positions:
+        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
+                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
+                         "--max-query-length or --response-length")
+    kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
+        value_model_path, num_labels=1, output_loading_info=True, **kwargs)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # A fresh head on a language-model trunk (--value-model-path given a causal LM): start at V = 0 instead of a
-        # random head on hidden states whose norm can be large (LMHP initialises its value head at 0).
+        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
         with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
             for p in value_model.score.parameters():
                 nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1,
-                                                                      **model_kwargs)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
     for m in (ref_policy, reward_model):
-        m.eval().requires_grad_(False).to(device)
+        m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default).
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if zero3:  # the frozen models sharded too, in the trained models' precision
+    if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):
             shard_frozen(m, accelerator.deepspeed_config)
-    elif ds_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: score in the same precision, so KL starts at 0
+    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    # Each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`).
+    return model, optimizer, ref_policy, reward_model
+
+
+def keep_rows_before(path: Path, start_update: int) -> None:
+    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
+    if path.exists():
+        rows = path.read_text().splitlines()
+        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
+
+
+# differs from ppo.py: the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)
+class RunLog:
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
+
+    def __init__(self, args: Args, setup: Setup, console: Console):
+        self.main_process, self.track = setup.accelerator.is_main_process, args.track
+        self.num_updates = setup.sizes.num_updates
+        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                                 disable=not self.main_process)
+        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=setup.start_update - 1)
+        if not self.main_process:
+            return
+        output_dir = setup.output_dir
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # the tokenizer as given: the [PAD] is a training-time device
+        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
+                                      trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
+        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": setup.run_name}, indent=2))
+        keep_rows_before(output_dir / "metrics.jsonl", setup.start_update)
+        self.metrics_file, self.writer = open(output_dir / "metrics.jsonl", "a"), SummaryWriter(str(output_dir))
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=setup.run_name, save_code=True)
+
+    def log(self, update: int, metrics: dict) -> None:
+        if not self.main_process:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, update)
+        if self.track:
+            import wandb
+
+            wandb.log(metrics, step=update)
+        self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
+            f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.track:
+                import wandb
+
+                wandb.finish()
+
+
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs
+
+
+# differs from ppo.py: one reward model, on the policy's token ids
+def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    chunk: int) -> torch.Tensor:
+    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
+                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+
+
+# differs from ppo.py: whole models, no frozen trunks, no full KL
+def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
+    """The reference's log-probs and the values of a rollout, in chunks."""
+    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
+    for i in range(0, query_responses.size(0), chunk):
+        qr = query_responses[i:i + chunk]
+        ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length), args.temperature,
+                                  pad_token_id)
+        ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+        del ref_logits
+        values.append(value_forward(value_model, qr, pad_token_id, context_length))
+    return torch.cat(ref_logprobs), torch.cat(values)
+
+
+STAT_METRICS = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "pg_loss": "loss/policy_avg",
+                "vf_loss": "loss/value_avg", "vf_clipfrac": "val/clipfrac_avg", "entropy": "policy/entropy_avg"}
+
+
+# differs from ppo.py: no reward components, score scaling or skipped minibatches
+def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                     contain_eos_token, sequence_lengths, stats: dict) -> dict:
+    """The update's metrics (TRL's names) averaged over processes, over real tokens only."""
+    real = (~padding_mask).float()
+    local = torch.stack([
+        kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
+        (sequence_lengths + 1).float().mean(),
+    ])
+    gathered = accelerator.gather(local.unsqueeze(0))
+    ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
+    mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
+    return {
+        "objective/kl": mean_kl,
+        "objective/entropy": mean_entropy,
+        "objective/non_score_reward": mean_nsr,
+        "objective/rlhf_reward": mean_nsr + mean_scores,
+        "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
+        **{name: accelerator.gather(stats[k].unsqueeze(0)).mean().item() for k, name in STAT_METRICS.items()},
+        "val/ratio": ratio_all.mean().item(),
+        # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
+        "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
+        "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
+        "val/response_length": mean_len,
+    }
+
+
+class HeldOut(NamedTuple):
+    indices: list[int]  # this process's posts
+    queries: torch.Tensor
+    query_texts: list[str]
+    references: list[str]
+    reference_score: float  # the mean over all posts
+
+
+def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
+                   chunk: int) -> HeldOut:
+    """Every world_size-th held-out post, the last wrapping around to the first (under ZeRO-3 every forward needs
+    every process); the references scored once, as responses are."""
+    n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
+    indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
+    rows = eval_dataset.select(indices)
+    queries = left_pad(rows["input_ids"], pad_token_id).to(accelerator.device)
+    references = pad_right([torch.tensor([ids]) for ids in rows["reference_ids"]], pad_token_id).to(accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        reference_scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
+    all_reference_scores = dict(gather_object(list(zip(indices, reference_scores.tolist()))))
+    return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
+                   sum(all_reference_scores.values()) / len(all_reference_scores))
+
+
+# differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
+def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
+             console: Console) -> dict:
+    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
+    eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
+    accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
+    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
+    eval_args = replace(args, temperature=EVAL_TEMPERATURE)
+    with torch.no_grad(), accelerator.autocast():
+        responses, _ = sample_responses(accelerator, model, held_out.queries, eval_args, setup.zero_stage == 3,
+                                        pad_token_id, setup.stop_token_id, generator)
+        scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
+                                 args.local_rollout_forward_batch_size)
+    columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
+    rows = gather_object([(index, {"query": query, "reference": reference,
+                                   "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
+                                   "score": score}) for index, query, reference, r, score in columns])
+    rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
+    if accelerator.is_main_process:
+        (setup.output_dir / "eval").mkdir(exist_ok=True)
+        write_atomic(setup.output_dir / "eval" / f"update-{update:06d}.jsonl",
+                     "".join(json.dumps(row) + "\n" for row in rows))
+        print_eval_table(console, rows[:3], f"validation after update {update}")
+        if args.track:
+            import wandb
+
+            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                      step=update)
+    return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
+            "objective/reference_score": held_out.reference_score}
+
+
+def sub_state(state_dict: dict, name: str) -> dict:
+    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
+    return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
+
+
+# differs from ppo.py: no adapters, no value head
+def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
+    """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
+    the reward model's config, `bias` included, which `score_bias` subtracts again when it is loaded."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
+    if accelerator.is_main_process:
+        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
+        unwrapped.value_model.save_pretrained(output_dir / "value_model",
+                                              state_dict=sub_state(state_dict, "value_model"))
+        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
+
+
+def main(args: Args) -> None:
+    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    setup = set_up(args)
+    model, optimizer, ref_policy, reward_model = load_models(args, setup)
+    accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
+    device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
+    zero3, console = setup.zero_stage == 3, Console()
+    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
-    start_update = 1
-    if checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        accelerator.load_state(str(checkpoint))
-        start_update = saved["update"] + 1
+    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(setup.checkpoint))
         if accelerator.is_main_process:
-            console.print(f"resumed from {checkpoint}: continuing at update {start_update}")
-
-    # tracking: metrics.jsonl and TensorBoard always (a resumed run drops the rows logged after its checkpoint); wandb
-    # with --track
-    metrics_file = writer = None
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {setup.start_update}")
+    run_log = RunLog(args, setup, console)
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # the tokenizer as given (left padding, no [PAD]: the [PAD] above is a training-time device only)
-        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left", **remote).save_pretrained(output_dir)
-        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-        metrics_path = output_dir / "metrics.jsonl"
-        kept = [line for line in (metrics_path.read_text().splitlines() if checkpoint and metrics_path.exists()
-                                  else []) if json.loads(line)["update"] < start_update]
-        write_atomic(metrics_path, "".join(line + "\n" for line in kept))
-        metrics_file = open(metrics_path, "a")
-        writer = SummaryWriter(str(output_dir))  # TensorBoard event files in the run folder, as ppo.py
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args), name=run_name,
-                       save_code=True)
-        print_banner(console, run_name, args, sizes, {"policy": policy, "reference": ref_policy,
-                                                      "value model": value_model, "reward model": reward_model},
-                     ds_plugin.zero_stage if ds_plugin is not None else 0)
-
+        unwrapped = accelerator.unwrap_model(model)
+        print_banner(console, setup.run_name, args, sizes, {
+            "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
+            "reward model": reward_model}, setup.zero_stage,
+            [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
+             f"{score_bias(unwrapped.value_model.config):.4g}"])
     chunk = args.local_rollout_forward_batch_size
-
-    def score_responses(queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """Reward-model scores (normalised by `score_bias`) of truncated responses, in chunks."""
-        return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]),
-                                                                      1), pad_token_id, queries.size(1))
-                          for i in range(0, queries.size(0), chunk)])
-
-    # validation posts: each process takes every world_size-th one; the reference summaries are scored once, the
-    # same way as responses (the reward model reads the eos that ends them). Every process gets as many posts (the
-    # last ones wrap around to the first and are dropped again after the gather): under ZeRO-3 each forward needs
-    # every process.
-    per_process = math.ceil(len(eval_dataset) / accelerator.num_processes)
-    eval_local = [i % len(eval_dataset) for i in
-                  range(accelerator.process_index, per_process * accelerator.num_processes, accelerator.num_processes)]
-    eval_rows = eval_dataset.select(eval_local)
-    eval_queries = left_pad(eval_rows["input_ids"], pad_token_id).to(device)
-    with torch.no_grad(), accelerator.autocast():
-        reference_scores = score_responses(eval_queries, right_pad(eval_rows["reference_ids"], pad_token_id).to(device))
-    all_reference_scores = dict(gather_object(list(zip(eval_local, reference_scores.tolist()))))
-    reference_score = sum(all_reference_scores.values()) / len(all_reference_scores)
-    references = [tokenizer.decode(ids) for ids in eval_rows["reference_ids"]]
-
-    def evaluate(update: int) -> dict:
-        """Near-greedy (T = 0.01) summaries of the held-out posts (N+ detail 30), scored by the reward model without
-        the missing-eos rule, as SFD's objective/validation_score; the table goes to eval/update-NNNNNN.jsonl. Every
-        rank runs it on its share of the posts. Its own generator keeps it from shifting the training RNG."""
-        generator = torch.Generator(device=device).manual_seed(args.seed + update)
-        with torch.no_grad(), accelerator.autocast():
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                responses = pad_right([generate(sampler, eval_queries[i:i + chunk], pad_token_id, args.response_length,
-                                                EVAL_TEMPERATURE, stop_token_id, generator, synced)[0]
-                                       for i in range(0, eval_queries.size(0), chunk)], pad_token_id)
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
-            scores = score_responses(eval_queries, responses)
-        rows = gather_object([(index, {"query": query, "reference": reference,
-                                       "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
-                                       "score": score})
-                              for index, query, reference, r, score in zip(eval_local, eval_rows["query"], references,
-                                                                           responses, scores.tolist())])
-        unique = {}
-        for index, row in rows:  # one row per post: the first process's, where the last posts wrapped around
-            unique.setdefault(index, row)
-        rows = [row for _, row in sorted(unique.items())]
-        if accelerator.is_main_process:
-            (output_dir / "eval").mkdir(exist_ok=True)
-            write_atomic(output_dir / "eval" / f"update-{update:06d}.jsonl",
-                         "".join(json.dumps(row) + "\n" for row in rows))
-            print_eval_table(progress.console, rows[:3], f"validation after update {update}")
-            if args.track:
-                wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                          step=update)
-        return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
-                "objective/reference_score": reference_score}
-
+    held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
     stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    start_time = time.time()
-    checkpoints = output_dir / "checkpoints"
-    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not accelerator.is_main_process)
-    progress_task = progress.add_task("PPO updates", total=sizes.num_updates, completed=start_update - 1)
-    progress.start()
+    checkpoints = setup.output_dir / "checkpoints"
+    start_update, start_time = setup.start_update, time.time()
+    run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
+        # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
-        # learning rate: linear anneal to 0, once per update (N+ detail 29)
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1029,51 +1053,27 @@ def main(args: Args) -> None:
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # ====================================================================================================
-            # 2. Rollout: sample responses in chunks, keeping each sampled token's log-prob
-            # ====================================================================================================
-            gather = args.ds3_gather_for_generation
-            with policy_for_generation(accelerator, model, zero3, gather) as (sampler, synced):
-                generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                                      args.temperature, stop_token_id, synced=synced)
-                             for i in range(0, queries.size(0), chunk)]
-            unwrapped = accelerator.unwrap_model(model)
-            responses = pad_right([r for r, _ in generated], pad_token_id)
-            logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-            del generated
+            # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
+            responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
+                                                   setup.stop_token_id)
             time_generation = time.perf_counter() - timer
-            # truncate after eos, which is kept (N+ detail 21); everything is scored and trained on the truncated
-            # responses. Sampling stops once every row has its eos: SFD samples all 53 tokens and then cuts, which
-            # draws the kept tokens from the same distribution.
-            if stop_token_id is not None:
-                responses = truncate_response(stop_token_id, pad_token_id, responses)
             query_responses = torch.cat((queries, responses), 1)
-            # index of the last real token (-1 for an empty response)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # ====================================================================================================
-            # 3. Scoring forwards: reference log-probs, values, scores; then the missing-eos rule (N+ detail 22)
-            # ====================================================================================================
-            ref_logprobs, values = [], []
-            for i in range(0, queries.size(0), chunk):
-                qr = query_responses[i:i + chunk]
-                ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length),
-                                          args.temperature, pad_token_id)
-                ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
-                del ref_logits
-                values.append(value_forward(unwrapped.value_model, qr, pad_token_id, context_length))
-            ref_logprobs, values = torch.cat(ref_logprobs), torch.cat(values)
-            scores = score_responses(queries, responses)
+            # 3. Scoring forwards: reference log-probs, values and the reward model's scores
+            ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
+                                                        query_responses, response_ids, context_length, args,
+                                                        pad_token_id)
+            scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
+
+            # 4. Rewards: the missing-eos rule (N+ detail 22), then the per-token KL penalty plus the score one past the
+            #    last token (be very careful with padding_mask_p1: N+ detail 25)
             contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
-
-            # ====================================================================================================
-            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
-            # ====================================================================================================
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -1083,30 +1083,24 @@ def main(args: Args) -> None:
             if args.whiten_rewards:  # N+ detail 26
                 rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
-            # ====================================================================================================
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            # ====================================================================================================
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
-        # ================================================================================================================
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
-        #    (N+ detail 28)
-        # ================================================================================================================
+        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps
+        #    micro-batches each
         timer = time.perf_counter()
         model.train()
-        stats = {k: torch.zeros(stats_shape, device=device) for k in
-                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        stats = {k: torch.zeros(stats_shape, device=device) for k in [*STAT_METRICS, "ratio"]}
         optimizer_steps = 0
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             b_inds = np.random.permutation(sizes.local_batch_size)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                for micro_idx, micro_start in enumerate(range(0, sizes.local_mini_batch_size,
-                                                              args.per_device_train_batch_size)):
+                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                for micro_idx, mbi in enumerate(micro_batches):
                     with accelerator.accumulate(model):
-                        mbi = torch.as_tensor(mini_batch_inds[micro_start:micro_start
-                                                              + args.per_device_train_batch_size], device=device)
                         logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
                         logits = scale_logits(logits, args.temperature, pad_token_id)
                         new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
@@ -1117,11 +1111,10 @@ def main(args: Args) -> None:
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
-                        nonfinite = torch.tensor(float(not torch.isfinite(loss)), device=device)
-                        if accelerator.reduce(nonfinite, "sum") > 0:  # every rank stops together
-                            raise FloatingPointError(
-                                f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}): "
-                                f"non-finite loss on some rank; the last good checkpoint is kept in {checkpoints}")
+                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
+                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
+                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
+                                                     f"good checkpoint is kept in {checkpoints}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -1131,101 +1124,44 @@ def main(args: Args) -> None:
                         optimizer.zero_grad()
                         with torch.no_grad():
                             entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
-                            idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
-                            for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
-                                         ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
-                                         ("ratio", ratio_mean)):
-                                stats[k][idx] = v.detach()
+                            for k, v in zip(stats, (approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy,
+                                                    ratio_mean)):
+                                stats[k][ppo_epoch_idx, minibatch_idx, micro_idx] = v.detach()
                     del logits, vpred, loss
-
         time_training = time.perf_counter() - timer
 
-        # ================================================================================================================
-        # 7. Metrics, averaged over ranks (TRL names). Statistics count real tokens only.
-        # ================================================================================================================
+        # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
         with torch.no_grad():
-            real = (~padding_mask).float()
-            local = torch.stack([
-                kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-                non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
-                (sequence_lengths + 1).float().mean(),
-            ])
-            gathered = accelerator.gather(local.unsqueeze(0))
-            ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
-            stat_means = {k: accelerator.gather(v.unsqueeze(0)).mean().item() for k, v in stats.items()}
-            mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
-            metrics = {
-                "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                "objective/kl": mean_kl,
-                "objective/entropy": mean_entropy,
-                "objective/non_score_reward": mean_nsr,
-                "objective/rlhf_reward": mean_nsr + mean_scores,
-                "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
-                "policy/approxkl_avg": stat_means["approxkl"],
-                "policy/clipfrac_avg": stat_means["pg_clipfrac"],
-                "loss/policy_avg": stat_means["pg_loss"],
-                "loss/value_avg": stat_means["vf_loss"],
-                "val/clipfrac_avg": stat_means["vf_clipfrac"],
-                "policy/entropy_avg": stat_means["entropy"],
-                "val/ratio": ratio_all.mean().item(),
-                # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
-                "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-                "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
-                "val/response_length": mean_len,
-                "policy/optimizer_steps": optimizer_steps,
-                "time/generation": time_generation,  # seconds on rank 0: sampling
-                "time/scoring": time_scoring,  # reference, value and reward forwards
-                "time/training": time_training,  # PPO epochs
-                "lr": lr,
-                "episode": episode,
-            }
+            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
+                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                                          contain_eos_token, sequence_lengths, stats)}
+        metrics.update({
+            "policy/optimizer_steps": optimizer_steps,
+            "time/generation": time_generation,  # seconds on rank 0: sampling
+            "time/scoring": time_scoring,  # reference, value and reward forwards
+            "time/training": time_training,  # PPO epochs
+            "lr": lr,
+            "episode": episode,
+        })
 
-        # ================================================================================================================
-        # 8. Validation on held-out posts every eval_every updates and after the last one (N+ detail 30)
-        # ================================================================================================================
+        # 8. Validation every eval_every updates and after the last one (N+ detail 30)
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(update))
+            metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
+
+        # 9. Logging, checkpoint
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if accelerator.is_main_process:
-            metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-            metrics_file.flush()
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, update)
-            if args.track:
-                wandb.log(metrics, step=update)
-            progress.console.print(f"update {update}/{sizes.num_updates}  " + "  ".join(
-                f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in
-                ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                 "objective/validation_score") if k in metrics))
-        check_replicas_agree(accelerator, model, update, [])  # no controller state
+        run_log.log(update, metrics)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **run_state),
+            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
-        progress.update(progress_task, advance=1)
+        run_log.progress.update(run_log.task, advance=1)
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
-    progress.stop()
+    run_log.close()
 
-    # ============================================================================================================
-    # 9. Save policy and value model, each loadable by plain transformers (TRL saved the policy only). The value
-    #    model keeps the reward model's config, `bias` included: this script subtracts it again when it loads it.
-    # ============================================================================================================
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
-    if accelerator.is_main_process:
-        for name, sub in (("policy", unwrapped.policy), ("value_model", unwrapped.value_model)):
-            sub.save_pretrained(output_dir if name == "policy" else output_dir / name,
-                                state_dict={k[len(name) + 1:]: v for k, v in state_dict.items()
-                                            if k.startswith(name + ".")})
-        metrics_file.close()
-        writer.close()
-        if args.track:
-            wandb.finish()
-        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
-
-    # Every process leaves together and takes its process group down with it: a process that exits while
-    # gloo/NCCL threads still run can abort ("terminate called without an active exception").
+    # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
+    #     process that exits while gloo/NCCL threads still run can abort)
+    save_models(accelerator, model, setup.output_dir, console)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

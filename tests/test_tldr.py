@@ -143,7 +143,8 @@ def test_queries_ending_in_eos_are_refused():
 
 def test_left_and_right_padding():
     assert ppo_tldr.left_pad([[1, 2, 3], [4]], 9).tolist() == [[1, 2, 3], [9, 9, 4]]  # queries: left-padded
-    assert ppo_tldr.right_pad([[1, 2, 3], [4]], 9).tolist() == [[1, 2, 3], [4, 9, 9]]  # references: right-padded
+    references = [torch.tensor([ids]) for ids in ([1, 2, 3], [4])]  # references: right-padded
+    assert ppo_tldr.pad_right(references, 9).tolist() == [[1, 2, 3], [4, 9, 9]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
