@@ -506,11 +506,9 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
                          "(reward models first, then functions, in the order given)")
     if not args.use_peft:
-        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name"):
-            if getattr(args, flag) is not None:
+        for flag in ("lora_target_modules", "model_adapter_name", "ref_adapter_name", "merge_adapter"):
+            if getattr(args, flag) not in (None, False):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --use-peft")
-        if args.merge_adapter:
-            raise ValueError("--merge-adapter needs --use-peft")
     if args.kl_target is not None and args.kl_coef == 0:
         raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
     if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
@@ -547,16 +545,6 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
     if is_classifier and config.num_labels != 1:
         raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
     return config
-
-
-def check_lora_targets(config: LoraConfig, model_config, trust_remote_code: bool) -> None:
-    """Apply the adapter to a meta-device copy of the model: unknown target modules fail before any load."""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-        try:
-            get_peft_model(skeleton, config)
-        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
-            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
 
 
 @dataclass
@@ -643,8 +631,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
             build_movie_review_prompts(DEFAULT_PROMPTS)
     check_sft_adapters(args, sft_adapters)
-    for path in reward_model_paths:
-        check_scalar_model(path, "--reward-model-path", require_head=True, **remote)
+    reward_configs = [check_scalar_model(p, "--reward-model-path", require_head=True, **remote)
+                      for p in reward_model_paths]
     model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
     if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
@@ -653,7 +641,6 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:  # else the checkpoint's config
         with outside_zero_init(ds_plugin):  # both build meta-device skeletons
             fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
-            check_lora_targets(fresh_adapter, model_config, args.trust_remote_code)
 
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
@@ -683,8 +670,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
         reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
                                  prepare_reward_tokenizer(rm_tokenizer, path, chat))
-    reward_max_lengths = [reward_max_length(p, t, **remote) if t is not None else None
-                          for p, t in zip(reward_model_paths, reward_tokenizers)]
+    # the positions such a reward model reads: its max_position_embeddings, or its tokenizer's model_max_length
+    reward_max_lengths = [None if t is None else min(filter(None, [getattr(c, "max_position_embeddings", None), (
+        t.model_max_length if t.model_max_length < 1e9 else None)]), default=None)
+        for c, t in zip(reward_configs, reward_tokenizers)]
     # a chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3: <|eot_id|>)
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         (end_of_turn_token_id(tokenizer) if chat else tokenizer.eos_token_id) if args.stop_token == "eos" else None)
@@ -862,30 +851,11 @@ def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int
         return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None):
-    """values[:, t] is read at the hidden state just before response token t."""
+def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None, head=None):
+    """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
+    on the policy, whose LM head does not run) or the value model's `score`."""
     hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
-    return value_model.score(hidden).squeeze(-1).float()
-
-
-def policy_logprobs_and_values(policy, value_head, query_responses, pad_token_id, context_length, response_ids,
-                               temperature, trunk=None, fused=True):
-    """--shared-value-head: log-probs, entropies and values from one policy forward."""
-    captured = []
-    hook = unpeft(policy).base_model.register_forward_hook(
-        lambda module, args, output: captured.append(output.last_hidden_state))
-    try:
-        logprobs, entropy = response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids,
-                                              temperature, trunk, with_entropy=True, fused=fused)
-    finally:
-        hook.remove()
-    return logprobs, entropy, value_head(captured[0][:, context_length - 1 : -1]).squeeze(-1).float()
-
-
-def shared_head_values(policy, value_head, query_responses, pad_token_id, context_length, trunk=None):
-    """--shared-value-head values alone (rollout): the backbone without the LM head."""
-    hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
-    return value_head(hidden).squeeze(-1).float()
+    return (value_model.score if head is None else head)(hidden).squeeze(-1).float()
 
 
 class PolicyAndValueWrapper(nn.Module):
@@ -900,12 +870,19 @@ class PolicyAndValueWrapper(nn.Module):
 
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
                 policy_trunk=None, value_trunk=None):
-        """(log-probs, entropies, values) of the responses; with the shared value head from one backbone forward."""
+        """(log-probs, entropies, values) of the responses; --shared-value-head: the values from the same policy
+        forward, whose final hidden states a hook keeps."""
+        hidden = []
+        hook = unpeft(self.policy).base_model.register_forward_hook(
+            lambda module, args, output: hidden.append(output.last_hidden_state))
+        try:
+            logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
+                                                  response_ids, temperature, policy_trunk, with_entropy=True,
+                                                  fused=fused)
+        finally:
+            hook.remove()
         if self.value_head is not None:
-            return policy_logprobs_and_values(self.policy, self.value_head, query_responses, pad_token_id,
-                                              context_length, response_ids, temperature, policy_trunk, fused)
-        logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length, response_ids,
-                                              temperature, policy_trunk, with_entropy=True, fused=fused)
+            return logprobs, entropy, self.value_head(hidden[0][:, context_length - 1 : -1]).squeeze(-1).float()
         return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
                                                 value_trunk)
 
@@ -986,9 +963,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if args.use_peft:
         policy = add_adapters(policy, args, setup.sft_adapters, setup.fresh_adapter)
     if args.gradient_checkpointing:
-        for m in (policy, value_model):
-            if m is not None:
-                enable_gradient_checkpointing(m)
+        for m in trained_models:  # the policy's transformers model, also inside its adapter's PeftModel
+            enable_gradient_checkpointing(m)
     # the fast paths, only where a forward on the first two prompts shows them exact (a silent error otherwise:
     # GPT-2 adds position embeddings inside its backbone; some heads scale or cap their logits); not under ZeRO-3,
     # whose sharded weights are whole only inside DeepSpeed's forward hooks
@@ -1133,18 +1109,23 @@ def checkpoint_adapters(path: str) -> dict[str, Path]:
 
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
     """The fresh adapter, on the top --num-trainable-layers blocks only (so the frozen trunk is shared with the
-    reference); `all-linear` expanded to the blocks' linear layers."""
-    targets = args.lora_target_modules
-    if targets == ["all-linear"]:
-        with torch.device("meta"):
-            blocks = transformer_blocks(AutoModelForCausalLM.from_config(model_config,
-                                                                         trust_remote_code=trust_remote_code))[1]
-        targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
-    num_blocks = model_config.num_hidden_layers
+    reference); `all-linear` expanded to the blocks' linear layers. Tried on a meta-device copy of the model:
+    unknown target modules fail before any load."""
+    num_blocks, targets = model_config.num_hidden_layers, args.lora_target_modules
     top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
                                                                     num_blocks))
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
-                      layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        if targets == ["all-linear"]:
+            blocks = transformer_blocks(skeleton)[1]
+            targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            target_modules=targets, layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
+        try:
+            get_peft_model(skeleton, config)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
+    return config
 
 
 def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
@@ -1361,13 +1342,6 @@ def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: t
     return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
 
 
-def reward_max_length(path: str, rm_tokenizer, trust_remote_code: bool = False) -> int | None:
-    """The positions a reward model can read: its max_position_embeddings, or its tokenizer's model_max_length."""
-    limits = [getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "max_position_embeddings",
-                      None), rm_tokenizer.model_max_length if rm_tokenizer.model_max_length < 1e9 else None]
-    return min((n for n in limits if n), default=None)
-
-
 def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
                      sft_model_path: str) -> tuple[str, str]:
     """The value model's starting point and why: a reward model with the policy's tokenizer (N+ detail 18),
@@ -1514,12 +1488,12 @@ def trunk_rows(trunk, rows):
     return None if trunk is None else (trunk[0][rows], trunk[1])
 
 
-def reference_and_values(models: Models, unwrapped: PolicyAndValueWrapper, query_responses: torch.Tensor,
-                         response_ids: torch.Tensor, context_length: int, args: Args, pad_token_id: int):
+def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
+                         context_length: int, args: Args, pad_token_id: int):
     """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and
     the frozen trunks (policy's, value's) this update's later forwards start from."""
     ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
-    policy, value_model, value_head = unwrapped.policy, unwrapped.value_model, unwrapped.value_head
+    policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
     chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
     for i in range(0, query_responses.size(0), chunk):
@@ -1545,9 +1519,8 @@ def reference_and_values(models: Models, unwrapped: PolicyAndValueWrapper, query
         else:
             ref_logprobs.append(ref_out)
         del ref_out
-        values.append(shared_head_values(policy, value_head, qr, pad_token_id, context_length, policy_trunk)
-                      if value_head is not None else
-                      value_forward(value_model, qr, pad_token_id, context_length, value_trunk))
+        values.append(value_forward(value_model, qr, pad_token_id, context_length, value_trunk) if value_head is None
+                      else value_forward(policy, qr, pad_token_id, context_length, policy_trunk, value_head))
         policy_trunks.append(policy_trunk[0] if policy_trunk else None)
         value_trunks.append(value_trunk[0] if value_trunk else None)
     policy_trunk = (torch.cat(policy_trunks), models.num_frozen["policy"]) if "policy" in models.num_frozen else None
@@ -1578,18 +1551,13 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
     context_length = query_responses.size(1) - response_ids.size(1)
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
-            new = response_logprobs(accelerator.unwrap_model(models.model).policy, query_responses[mbi], pad_token_id,
-                                    context_length, response_ids[mbi], args.temperature,
-                                    trunk_rows(policy_trunk, mbi), fused=models.fused_head)[0]
+            new = response_logprobs(models.policy, query_responses[mbi], pad_token_id, context_length,
+                                    response_ids[mbi], args.temperature, trunk_rows(policy_trunk, mbi),
+                                    fused=models.fused_head)[0]
             real = ~padding_mask[mbi]
             total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
     return (total[0] / total[1]).item() > args.ratio_threshold
-
-
-def target_kl_reached(accelerator: Accelerator, args: Args, approxkl: torch.Tensor) -> bool:
-    """--target-kl: checked after every minibatch, on all processes together (classic TRL: once per epoch)."""
-    return args.target_kl is not None and bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl)
 
 
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
@@ -1607,7 +1575,7 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
     ran = accelerator.gather(trained.unsqueeze(0))
     ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
     stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
-                  for k, v in stats.items()}
+                  for k, v in stats.items() if k != "ratio"}
     mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
     component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
                                          .unsqueeze(0)).mean(0).tolist()
@@ -1619,12 +1587,7 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
         "objective/scores": mean_scores,
         # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
         **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
-        "policy/approxkl_avg": stat_means["approxkl"],
-        "policy/clipfrac_avg": stat_means["pg_clipfrac"],
-        "loss/policy_avg": stat_means["pg_loss"],
-        "loss/value_avg": stat_means["vf_loss"],
-        "val/clipfrac_avg": stat_means["vf_clipfrac"],
-        "policy/entropy_avg": stat_means["entropy"],
+        **stat_means,  # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
         "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
         "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
         "val/num_eos_tokens": gathered[:, 5].sum().item(),  # responses ending in eos, over all ranks
@@ -1650,7 +1613,10 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
         rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
                 for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
                                       scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
-        print_sample_table(console, rows[:5], f"held-out samples after update {update}")
+        table = Table(*rows[0], title=f"held-out samples after update {update}", show_lines=True)
+        for row in rows[:5]:
+            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
+        console.print(table)
         with open(setup.output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query, each reward's score
             f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
                 tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
@@ -1803,15 +1769,6 @@ def banner_notes(setup: Setup) -> list[str]:
             setup.value_init]
 
 
-def print_sample_table(console: Console, rows: list[dict], title: str) -> None:
-    table = Table(title=title, show_lines=True)
-    for column in rows[0]:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
-    console.print(table)
-
-
 def sub_state(state_dict: dict, name: str) -> dict:
     """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
     return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
@@ -1838,15 +1795,13 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
         adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
         PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
         tokenizer.save_pretrained(output_dir / "merged")
+    value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
     if args.shared_value_head:
         from safetensors.torch import save_file
 
-        head = {k: v.contiguous() for k, v in sub_state(state_dict, "value_head").items()}
-        save_file(head, output_dir / VALUE_HEAD_FILE)
+        save_file({k: v.contiguous() for k, v in sub_state(state_dict, "value_head").items()}, value_path)
     else:
-        unwrapped.value_model.save_pretrained(output_dir / "value_model",
-                                              state_dict=sub_state(state_dict, "value_model"))
-    value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
+        unwrapped.value_model.save_pretrained(value_path, state_dict=sub_state(state_dict, "value_model"))
     policy_saved = "the policy adapter" if args.use_peft else "the policy"
     console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
 
@@ -1909,8 +1864,7 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
             ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
-                models, accelerator.unwrap_model(model), query_responses, response_ids, context_length, args,
-                pad_token_id)
+                models, query_responses, response_ids, context_length, args, pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses,
                                                        batch_rows[args.dataset_prompt_column])
@@ -1939,8 +1893,8 @@ def main(args: Args) -> None:
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
         model.train()
-        stats = {k: torch.zeros(stats_shape, device=device) for k in
-                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        stats = {k: torch.zeros(stats_shape, device=device) for k in ("policy/approxkl_avg", "policy/clipfrac_avg",
+                 "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "ratio")}
         trained = torch.zeros(stats_shape, dtype=torch.bool, device=device)  # the minibatches that ran
         optimizer_steps = skipped_minibatches = 0
         stop_early = False
@@ -1980,15 +1934,15 @@ def main(args: Args) -> None:
                         optimizer.step()
                         optimizer.zero_grad()
                         with torch.no_grad():
-                            entropy = masked_mean(entropy, ~padding_mask[mbi])
                             idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
-                            for k, v in (("approxkl", approxkl), ("pg_clipfrac", pg_clipfrac), ("pg_loss", pg_loss),
-                                         ("vf_loss", vf_loss), ("vf_clipfrac", vf_clipfrac), ("entropy", entropy),
-                                         ("ratio", ratio_mean)):
+                            for k, v in zip(stats, (approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac,
+                                                    masked_mean(entropy, ~padding_mask[mbi]), ratio_mean)):
                                 stats[k][idx] = v.detach()
                             trained[idx] = True
                     del new_logprobs, entropy, vpred, loss
-                stop_early = target_kl_reached(accelerator, args, stats["approxkl"][ppo_epoch_idx, minibatch_idx])
+                # --target-kl: after every minibatch, on all processes together (classic TRL: once per epoch)
+                stop_early = args.target_kl is not None and bool(accelerator.reduce(
+                    stats["policy/approxkl_avg"][ppo_epoch_idx, minibatch_idx].mean(), "mean") > args.target_kl)
                 if stop_early:
                     break
         time_training = time.perf_counter() - timer

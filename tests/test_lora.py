@@ -110,8 +110,8 @@ def test_shared_value_head_reads_the_final_hidden_state_before_each_response_tok
     qr = ppo.left_pad(QR, PAD)
     ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
     with torch.no_grad():
-        values = ppo.shared_head_values(policy, head, qr, PAD, 2)
-        *with_logprobs, values_too = ppo.policy_logprobs_and_values(policy, head, qr, PAD, 2, ids, 0.7)
+        values = ppo.value_forward(policy, qr, PAD, 2, head=head)
+        *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7, True)
         torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
         for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
@@ -183,7 +183,7 @@ def test_saved_adapter_and_value_head_reload(shared_head_run, llama):
     with torch.no_grad():
         reloaded, from_merged = logprobs(policy, qr), logprobs(merged, qr)
         base = logprobs(AutoModelForCausalLM.from_pretrained(llama["sft"]).eval(), qr)
-        values = ppo.shared_head_values(policy, head, qr, PAD, 2)
+        values = ppo.value_forward(policy, qr, PAD, 2, head=head)
     torch.testing.assert_close(from_merged, reloaded, rtol=1e-5, atol=1e-5)
     assert (reloaded - base).abs().max() > 1e-4 and values.abs().max() > 0
 
