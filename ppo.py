@@ -288,66 +288,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
-class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
-    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. The entropy gets no gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
-        logprobs, lses, entropies = [], [], []
-        for start in range(0, hidden.size(0), chunk_rows):
-            logits = scale_logits(hidden[start:start + chunk_rows] @ weight.T, temperature, pad_token_id)
-            lse = torch.logsumexp(logits, dim=-1)
-            tok = tokens[start:start + chunk_rows].unsqueeze(-1)
-            logprobs.append(logits.gather(-1, tok).squeeze(-1) - lse)
-            lses.append(lse)
-            if with_entropy:  # -sum p log p, with log p formed in place
-                logp = logits.sub_(lse.unsqueeze(-1))
-                entropies.append(-logp.exp().mul_(logp).sum(-1))
-        lse = torch.cat(lses)
-        ctx.save_for_backward(hidden, weight, tokens, lse)
-        ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
-        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
-        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
-                            dtype=torch.get_autocast_dtype(device))
-        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
-        ctx.mark_non_differentiable(entropy)
-        return torch.cat(logprobs), entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                  device=weight.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.size(0), ctx.chunk_rows):
-            stop = start + ctx.chunk_rows
-            h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
-            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
-            # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
-            with torch.autocast(**ctx.autocast):
-                logits = scale_logits(h @ weight.T, ctx.temperature, ctx.pad_token_id)
-            grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
-            grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad, weight, out=grad_hidden[start:stop])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
-        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
-                None, None, None, None, None)
-
-
-def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
-    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
-    shape = tokens.shape
-    chunk_rows = max(1, chunk_elements // weight.size(0))
-    logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
-                                           temperature, pad_token_id, chunk_rows, with_entropy)
-    return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum()
 
@@ -820,6 +760,66 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=N
     with blocks:
         out = policy(**inputs, logits_to_keep=response_length + 1, use_cache=False)
     return out.logits[:, :-1]
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
+    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. The entropy gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
+        logprobs, lses, entropies = [], [], []
+        for start in range(0, hidden.size(0), chunk_rows):
+            logits = scale_logits(hidden[start:start + chunk_rows] @ weight.T, temperature, pad_token_id)
+            lse = torch.logsumexp(logits, dim=-1)
+            tok = tokens[start:start + chunk_rows].unsqueeze(-1)
+            logprobs.append(logits.gather(-1, tok).squeeze(-1) - lse)
+            lses.append(lse)
+            if with_entropy:  # -sum p log p, with log p formed in place
+                logp = logits.sub_(lse.unsqueeze(-1))
+                entropies.append(-logp.exp().mul_(logp).sum(-1))
+        lse = torch.cat(lses)
+        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
+        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))
+        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logprobs), entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                  device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.size(0), ctx.chunk_rows):
+            stop = start + ctx.chunk_rows
+            h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
+            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
+            # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
+            with torch.autocast(**ctx.autocast):
+                logits = scale_logits(h @ weight.T, ctx.temperature, ctx.pad_token_id)
+            grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
+            grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad, weight, out=grad_hidden[start:stop])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                None, None, None, None, None)
+
+
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
+    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
+    shape = tokens.shape
+    chunk_rows = max(1, chunk_elements // weight.size(0))
+    logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
+                                           temperature, pad_token_id, chunk_rows, with_entropy)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature, trunk=None,
