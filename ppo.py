@@ -499,9 +499,7 @@ class Rewards:
     max_lengths: list[int | None]
     policy_tokenizer: object
     chat: bool
-    pad_token_id: int
     chunk: int
-    device: torch.device
     models: list = field(default_factory=list)  # filled by `load_models`
 
 
@@ -667,8 +665,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         check_scalar_model(value_model_path, "value model", require_head=False, **remote)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
-                      tokenizer, chat, tokenizer.pad_token_id, args.local_rollout_forward_batch_size,
-                      accelerator.device)
+                      tokenizer, chat, args.local_rollout_forward_batch_size)
     return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
                               eos_check_id, train_dataset, eval_rows, rewards)
@@ -1444,14 +1441,14 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
         if rm_tokenizer is None:
             components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
                                                                              responses[i:i + chunk]), 1),
-                                                              rewards.pad_token_id, queries.size(1))
+                                                              rewards.policy_tokenizer.pad_token_id, queries.size(1))
                                           for i in range(0, queries.size(0), chunk)])
         else:
             texts = reward_model_texts(rewards.policy_tokenizer, rm_tokenizer, prompts, queries, responses,
                                        rewards.chat)
             # chat texts carry the template's own special tokens; a plain text gets the tokenizer's (e.g. BOS)
             components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
-                                                             not rewards.chat, rewards.device)
+                                                             not rewards.chat, queries.device)
                                           for i in range(0, len(texts), chunk)])
     if rewards.fns:
         query_texts = rewards.policy_tokenizer.batch_decode(queries, skip_special_tokens=True)
