@@ -1267,10 +1267,19 @@ def as_messages(prompt) -> list[dict]:
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
+def with_answer(messages: list[dict], answer: str) -> list[dict]:
+    """The chat with the policy's answer: a new assistant turn, or the continuation of a final assistant prefix."""
+    if messages[-1]["role"] == "assistant":
+        return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + answer}]
+    return messages + [{"role": "assistant", "content": answer}]
+
+
 def prompt_text(prompt) -> str:
-    """A prompt as the dataset gave it, for people: the text, or a chat prompt's last user message."""
-    return prompt if isinstance(prompt, str) else next(
-        (m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
+    """A prompt as the dataset gave it, for people: the text, or a chat prompt from its last user message on."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [i for i, m in enumerate(prompt) if m.get("role") == "user"]
+    return " ".join(m["content"] for m in prompt[users[-1] if users else -1:])
 
 
 def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
@@ -1288,7 +1297,10 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
         if not roles <= {"system", "user", "assistant", "tool"}:
             raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
                              "assistant, tool)")
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL's convention)
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
+                                           continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
+             for m in prompts]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
@@ -1334,8 +1346,8 @@ def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: t
     decoded prompt + response."""
     if chat:
         answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return [rm_tokenizer.apply_chat_template(as_messages(p) + [{"role": "assistant", "content": a}],
-                                                 tokenize=False) for p, a in zip(prompts, answers)]
+        return [rm_tokenizer.apply_chat_template(with_answer(as_messages(p), a), tokenize=False)
+                for p, a in zip(prompts, answers)]
     return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
 
 

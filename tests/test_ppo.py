@@ -172,7 +172,9 @@ def test_sample_tables_show_the_prompt_as_the_dataset_gave_it():
     assert ppo.prompt_text("a movie review") == "a movie review"
     chat = [{"role": "system", "content": "You are a helpful AI assistant"}, {"role": "user", "content": "Continue"}]
     assert ppo.prompt_text(chat) == "Continue"
-    assert ppo.prompt_text(chat + [{"role": "assistant", "content": "Sure:"}]) == "Continue"  # the last user message
+    # a final assistant message is the prefix the policy continues: shown after the user message
+    assert ppo.prompt_text(chat + [{"role": "assistant", "content": "The plot"}]) == "Continue The plot"
+    assert ppo.prompt_text([{"role": "system", "content": "s"}]) == "s"  # no user message: the last one
 
 
 def test_zero_learning_rate_ratio_is_one(assets, tmp_path):

@@ -96,6 +96,10 @@ def test_chat_prompts_are_rendered_with_the_template():
     assert ppo.encode_prompts(tok, [messages]) == [expected]  # auto: message lists use the template
     assert ppo.encode_prompts(tok, ["w3 w4"]) == [[4, 5]]  # auto: text as it is
     assert ppo.encode_prompts(tok, ["w3 w4"], chat=True) == [expected]  # true: text becomes one user turn
+    # a final assistant message is a prefix to continue: no end-of-turn after it, no new assistant turn
+    prefix = messages + [{"role": "assistant", "content": "w5 w6"}]
+    assert ppo.encode_prompts(tok, [prefix]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7]]
+    assert ppo.encode_prompts(tok, [prefix, messages]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7], expected]  # per prompt
     assert ppo.is_chat([messages[0]], "auto") and ppo.is_chat("w3", "true") and not ppo.is_chat("w3", "auto")
     with pytest.raises(ValueError, match="--apply-chat-template false"):
         ppo.is_chat(messages, "false")
@@ -173,6 +177,11 @@ def test_reward_model_texts_and_scores_match_plain_calls(chat):
         last4 = [rm(input_ids=torch.tensor([rm_tok(t, add_special_tokens=False)["input_ids"][-4:]])).logits[0, 0]
                  for t in texts]
         torch.testing.assert_close(short, torch.stack(last4), atol=1e-5, rtol=1e-5)
+    # a final assistant prefix: the response continues that turn (a BPE response carries its own leading space)
+    prefix = [[{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]]
+    queries = ppo.left_pad(ppo.encode_prompts(tok, prefix), pad)
+    assert ppo.reward_model_texts(tok, rm_tok, prefix, queries, torch.tensor([[8, 9, 32]]), chat=True) == [
+        "[user] w3 w4 [assistant] w5 w6 w7 w8 [end]"]
     # text prompts: prompt and response decoded together, no template
     plain = ppo.reward_model_texts(tok, rm_tok, ["w3 w4"], ppo.left_pad([[4, 5]], pad), torch.tensor([[8, pad]]),
                                    chat=False)
