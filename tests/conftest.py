@@ -98,7 +98,7 @@ TINY = ["--total-episodes", "32", "--per-device-train-batch-size", "4", "--gradi
         "--num-mini-batches", "2", "--num-ppo-epochs", "2", "--local-rollout-forward-batch-size", "8",
         "--response-length", "8", "--eval-samples", "4", "--eval-every", "0", "--learning-rate", "1e-3",
         "--num-trainable-layers", "None",  # train every block of the 2-block test models
-        "--no-shared-value-head", "--kl-coef", "0.05"]  # a value model and TRL's beta (the default run: shared head, 0.2)
+        "--no-shared-value-head", "--kl-coef", "0.05"]  # a value model and TRL's beta (the default run: shared head, 0.1)
 
 
 REWARD_FN = "tests/rewards.py:target_word_fraction"  # the learnable toy reward of tests/rewards.py

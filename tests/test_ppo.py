@@ -536,5 +536,5 @@ def test_default_run_shortened(tmp_path):
     assert first["update"] == 0 and all(-1 <= r["eval/scores"] <= 1 for r in (first, last))  # held-out, 2 prompts
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
-    assert samples[0]["prompt"].startswith("Continue this movie review: ")  # the user message, not the template
+    assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"
