@@ -26,8 +26,9 @@ def learning_args(assets, *extra):
     """The learning-test configuration: 30 updates of 16 responses, rewarded for the word 'w7'."""
     return ["--sft-model-path", str(assets["sft"]), "--reward-fn", REWARD_FN, "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
-            "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--response-length", "8",
-            "--learning-rate", "3e-3", "--temperature", "1.0", "--kl-coef", "0.05", "--eval-samples", "0",
+            "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--num-ppo-epochs", "4",
+            "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0", "--kl-coef", "0.05",
+            "--eval-samples", "0",
             "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
 
 
