@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ppo import Args  # noqa: E402
 # the LoRA settings of the README's learning run (lr for an adapter, not full weights)
 LORA = ["--use-peft", "--lora-target-modules", "all-linear", "--learning-rate", "2e-4"]
 SETUPS = {
@@ -32,7 +34,8 @@ SETUPS = {
 
 
 def measure(flags: list[str], updates: int, out: Path) -> dict:
-    per_update = 16  # the default batch: 8 per micro-batch x 1 accumulation x 2 minibatches, one process
+    defaults = Args()  # the default batch on one process
+    per_update = defaults.per_device_train_batch_size * defaults.gradient_accumulation_steps * defaults.num_mini_batches
     cmd = [sys.executable, str(ROOT / "ppo.py"), "--total-episodes", str(per_update * updates),
            "--eval-samples", "0", "--output-dir", str(out), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -51,7 +54,7 @@ def measure(flags: list[str], updates: int, out: Path) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--updates", type=int, default=2, help="PPO updates per setup (16 episodes each)")
+    parser.add_argument("--updates", type=int, default=2, help="PPO updates per setup (one default batch each)")
     parser.add_argument("--only", type=int, nargs="+", help="run only these setups (0-based, in table order)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--table", type=Path, nargs="+", help="print the table from these --json files, run nothing")

@@ -28,8 +28,7 @@ def learning_args(assets, *extra):
             "--dataset-train-split", "train", "--total-episodes", "480", "--per-device-train-batch-size", "4",
             "--gradient-accumulation-steps", "2", "--num-mini-batches", "2", "--num-ppo-epochs", "4",
             "--response-length", "8", "--learning-rate", "3e-3", "--temperature", "1.0", "--kl-coef", "0.05",
-            "--eval-samples", "0",
-            "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
+            "--eval-samples", "0", "--num-trainable-layers", "None", "--no-shared-value-head", *extra]
 
 
 def quarter_means(rows, key="objective/scores"):
