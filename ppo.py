@@ -74,19 +74,19 @@ class Args:
     """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
     """render prompts with the policy's chat template: auto for message lists, true for text prompts too, or false"""
-    eval_samples: int = 128
+    eval_samples: int = 256
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: int = 1536
+    total_episodes: int = 2560
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 16
     """the micro-batch size per process: responses in one training forward/backward"""
     gradient_accumulation_steps: int = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: int = 2
+    num_mini_batches: int = 8
     """minibatches (optimizer steps) per PPO epoch"""
-    num_ppo_epochs: int = 2
+    num_ppo_epochs: int = 1
     """passes of PPO over each rollout batch"""
     local_rollout_forward_batch_size: int = 64
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
@@ -138,7 +138,7 @@ class Args:
     # optimizer
     num_trainable_layers: int | None = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: float = 4e-5
+    learning_rate: float = 9e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""

