@@ -78,7 +78,7 @@ class Args:
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: int = 2560
+    total_episodes: int = 2048
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: int = 16
     """the micro-batch size per process: responses in one training forward/backward"""
@@ -138,7 +138,7 @@ class Args:
     # optimizer
     num_trainable_layers: int | None = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: float = 9e-5
+    learning_rate: float = 1e-4
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: float | None = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
@@ -166,7 +166,7 @@ class Args:
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    eval_every: int = 10
+    eval_every: int = 8
     """score the held-out prompts every N updates, before the first and after the last (0: only those two)"""
     save_every: int = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
