@@ -5,8 +5,10 @@
 import copy
 import importlib
 import importlib.util
+import inspect
 import json
 import math
+import numbers
 import os
 import random
 import shutil
@@ -57,7 +59,8 @@ class Args:
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, num_labels=1), one or more; each may have its own tokenizer"""
     reward_fn: tuple[str, ...] = ()
-    """reward functions, one or more: `vader`, `module:function` or `file.py:function`; no reward given: `vader`"""
+    """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`), one or more: `vader`,
+    `module:function` or `file.py:function`; no reward given: `vader`"""
     reward_weights: tuple[float, ...] | None = None
     """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
@@ -499,6 +502,7 @@ class Rewards:
     max_lengths: list[int | None]
     policy_tokenizer: object
     chat: bool
+    prompt_column: str
     chunk: int
     models: list = field(default_factory=list)  # filled by `load_models`
 
@@ -625,11 +629,15 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.missing_eos_penalty is not None and eos_check_id is None:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
-    # prompts tokenised once; the prompt column is kept for reward models that render it with their own template
+    # prompts tokenised once; every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
+    clash = {"prompts", "completions"} & set(dataset.column_names) - {args.dataset_prompt_column}
+    if clash:
+        raise ValueError(f"{args.dataset_name}: column(s) {sorted(clash)} would collide with the keywords reward "
+                         "functions are called with (prompts, completions, completion_ids): rename them")
     with accelerator.local_main_process_first():
         dataset = dataset.map(
             lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
-            batched=True, remove_columns=[c for c in dataset.column_names if c != args.dataset_prompt_column])
+            batched=True)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest = max(len(ids) for ids in dataset["input_ids"])
     if min(len(ids) for ids in dataset["input_ids"]) == 0:
@@ -648,12 +656,13 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         if changed:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags, or the data order and learning rate would not continue")
-    # broken reward functions and reward-model templates fail now, not after the models are loaded
+    # broken reward functions and reward-model templates fail now, not after the models are loaded (the prompts
+    # stand in for the completions)
     first_rows = train_dataset[:2]
-    first_texts = tokenizer.batch_decode(first_rows["input_ids"], skip_special_tokens=True)
-    for spec, fn in zip(fn_specs, reward_fns):
-        call_reward_fn(fn, first_texts, first_texts, "cpu", spec)
     first_queries = left_pad(first_rows["input_ids"], tokenizer.pad_token_id)
+    for spec, fn in zip(fn_specs, reward_fns):
+        call_reward_fn(fn, reward_fn_kwargs(tokenizer, first_rows, args.dataset_prompt_column, first_queries), "cpu",
+                       spec)
     for rm_tokenizer in filter(None, reward_tokenizers):
         reward_model_texts(tokenizer, rm_tokenizer, first_rows[args.dataset_prompt_column], first_queries,
                            first_queries, chat)
@@ -665,7 +674,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         check_scalar_model(value_model_path, "value model", require_head=False, **remote)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
-                      tokenizer, chat, args.local_rollout_forward_batch_size)
+                      tokenizer, chat, args.dataset_prompt_column, args.local_rollout_forward_batch_size)
     return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
                               eos_check_id, train_dataset, eval_rows, rewards)
@@ -1376,14 +1385,17 @@ def reward_names(model_paths, fn_specs) -> list[str]:
 
 _vader = None
 
-def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
-    """VADER compound sentiment of each response, in [-1, 1]: a rule-based reward, no model (Hutto & Gilbert 2014)."""
+def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
+    """VADER compound sentiment, in [-1, 1], of what the policy wrote: a chat completion less the assistant prefix its
+    prompt gave (the default run scores the continuation only). A rule, no model (Hutto & Gilbert 2014)."""
     global _vader
     if _vader is None:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
         _vader = SentimentIntensityAnalyzer()
-    return [_vader.polarity_scores(r)["compound"] for r in responses]
+    prefixes = [p[-1]["content"] if isinstance(p, list) and p[-1]["role"] == "assistant" else "" for p in prompts]
+    texts = [c if isinstance(c, str) else c[0]["content"][len(prefix):] for c, prefix in zip(completions, prefixes)]
+    return [_vader.polarity_scores(t)["compound"] for t in texts]
 
 
 BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
@@ -1413,15 +1425,41 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
-def call_reward_fn(fn: Callable, prompts: list[str], responses: list[str], device, name: str = "") -> torch.Tensor:
-    """Call a user reward function and check what it returns: one finite float per response."""
-    scores = torch.as_tensor(np.asarray(fn(prompts, responses), dtype=np.float64), dtype=torch.float32, device=device)
-    name = name or getattr(fn, "__name__", "")
-    if scores.shape != (len(responses),):
-        raise ValueError(f"--reward-fn {name} returned shape {tuple(scores.shape)}; expected one float "
-                         f"per response ({len(responses)},)")
-    if not torch.isfinite(scores).all():
-        raise ValueError(f"--reward-fn {name} returned a non-finite score: {scores.tolist()}")
+def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
+    """A reward function's keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset gives
+    them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
+    assistant prefix included, as TRL), `completion_ids` (up to the stop token) and every other column of the rows."""
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    prompts = rows[prompt_column]
+    completions = [[with_answer(p, t)[-1]] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
+    columns = {k: v for k, v in rows.items() if k not in (prompt_column, "input_ids", "completion", "completion_ids")}
+    return dict(prompts=prompts, completions=completions,
+                completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in responses], **columns)
+
+
+def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tensor:
+    """Call a reward function with `reward_fn_kwargs` and check it returns, per completion, a finite number or None
+    (the row is not judged: NaN here, see `score_responses`). Each error names the function and its keywords."""
+    called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{called} cannot take them ({e}). Reward functions take keywords, as TRL's GRPOTrainer: "
+                         "def f(completions, **kwargs) -> list[float | None], a dataset column arriving as the "
+                         "keyword of its name, e.g. def accuracy(completions, solution, **kwargs)") from None
+    out = fn(**copy.deepcopy(kwargs))  # a copy: a function may edit its inputs (TRL's own code pops prompts)
+    values, n = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out, len(kwargs["completions"])
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a list of {n} numbers "
+                         "(or None), one per completion")
+    if not all(v is None or isinstance(v, numbers.Real) for v in values):
+        bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
+        raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number or None per completion")
+    scores = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+    scores = scores.to(device=device, dtype=torch.float32)
+    if not torch.isfinite(scores[[v is not None for v in values]]).all():
+        raise ValueError(f"{called} returned a non-finite score (return None for a row it does not judge): {values}")
     return scores
 
 
@@ -1446,9 +1484,10 @@ def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length:
     return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
 
 
-def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, prompts: list):
-    """(weighted sum of every reward, each reward's own scores by name) of truncated responses."""
-    components, chunk = {}, rewards.chunk
+def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict):
+    """(weighted sum of every reward, each reward's own scores by name) of truncated responses to `rows`. A function's
+    None (NaN in its scores) adds 0 to the sum, as TRL's nansum; a row that no reward judges is refused."""
+    components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
         if rm_tokenizer is None:
@@ -1464,11 +1503,15 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
                                                              not rewards.chat, queries.device)
                                           for i in range(0, len(texts), chunk)])
     if rewards.fns:
-        query_texts = rewards.policy_tokenizer.batch_decode(queries, skip_special_tokens=True)
-        response_texts = rewards.policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
+        kwargs = reward_fn_kwargs(rewards.policy_tokenizer, rows, rewards.prompt_column, responses)
         for name, spec, fn in zip(rewards.names[len(rewards.models):], rewards.fn_specs, rewards.fns):
-            components[name] = call_reward_fn(fn, query_texts, response_texts, queries.device, spec)
-    return sum(w * components[n] for n, w in zip(rewards.names, rewards.weights)), components
+            components[name] = call_reward_fn(fn, kwargs, queries.device, spec)
+    unjudged = torch.stack([c.isnan() for c in components.values()]).all(0)
+    if unjudged.any():
+        prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
+        raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}: each row needs a reward that "
+                         "judges it")
+    return sum(w * components[n].nan_to_num(0.0) for n, w in zip(rewards.names, rewards.weights)), components
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
@@ -1587,8 +1630,6 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
     stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
                   for k, v in stats.items() if k != "ratio"}
     mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
-    component_means = accelerator.gather(torch.stack([c.mean() for c in score_components.values()])
-                                         .unsqueeze(0)).mean(0).tolist()
     metrics = {
         "objective/kl": mean_kl,
         "objective/entropy": mean_entropy,
@@ -1596,7 +1637,7 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
         "objective/rlhf_reward": mean_nsr + mean_trained,  # what PPO maximised: scaled/clipped scores if asked
         "objective/scores": mean_scores,
         # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
-        **{f"objective/scores/{n}": v for n, v in zip(score_components, component_means)},
+        **reward_means(score_components, "objective", lambda t: accelerator.reduce(t, "sum")),
         **stat_means,  # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
         "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
         "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
@@ -1608,6 +1649,17 @@ def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_s
     return metrics
 
 
+def reward_means(components: dict, prefix: str, total: Callable) -> dict:
+    """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
+    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
+                              for c in components.values()]))
+    means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
+             if none < size}
+    return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
+                        zip(components, sums) if none > 0}}
+
+
 def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
     """The held-out score, with its own generator seeded by the update; rank 0 writes the samples."""
@@ -1617,12 +1669,14 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
     with torch.no_grad(), accelerator.autocast():
         responses = sample_responses(accelerator, model, eval_queries, args, setup.zero3, pad_token_id,
                                      setup.stop_token_id, generator)[0]
-        prompts = setup.eval_rows[args.dataset_prompt_column]
-        scores, components = score_responses(setup.rewards, eval_queries, responses, prompts)
-    if accelerator.is_main_process:
-        rows = [{"prompt": prompt_text(p), "model response": r, "score": s, **dict(zip(components, c))}
-                for p, r, s, c in zip(prompts, [tokenizer.decode(r[r != pad_token_id]) for r in responses],
-                                      scores.tolist(), torch.stack(list(components.values()), 1).tolist())]
+        held_out = setup.eval_rows[:]
+        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out)
+    if accelerator.is_main_process:  # a reward's None stays None in the rows
+        rows = [{"prompt": prompt_text(p), "model response": r, "score": s,
+                 **{n: None if math.isnan(v) else v for n, v in zip(components, c)}}
+                for p, r, s, c in zip(held_out[args.dataset_prompt_column],
+                                      [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist(),
+                                      torch.stack(list(components.values()), 1).tolist())]
         table = Table(*rows[0], title=f"held-out samples after update {update}", show_lines=True)
         for row in rows[:5]:
             table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
@@ -1636,7 +1690,7 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
             wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
     n = scores.numel()
     return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
-            **{f"eval/scores/{name}": c.mean().item() for name, c in components.items()}}
+            **reward_means(components, "eval", lambda t: t)}
 
 
 # ---- Checkpoints and logs --------------------------------------------------------------------------------------------
@@ -1876,8 +1930,7 @@ def main(args: Args) -> None:
             ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
                 models, query_responses, response_ids, context_length, args, pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
-            scores, score_components = score_responses(setup.rewards, queries, responses,
-                                                       batch_rows[args.dataset_prompt_column])
+            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
             time_scoring = time.perf_counter() - timer - time_generation
             contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
             if args.missing_eos_penalty is not None:

@@ -1,34 +1,70 @@
-"""Reward functions used by the tests through --reward-fn tests/rewards.py:NAME."""
+"""Reward functions used by the tests through --reward-fn tests/rewards.py:NAME, in TRL's keyword convention."""
 
 
-def target_word_fraction(prompts, responses):
-    """Fraction of response words equal to 'w7' (a reward the tiny vocabulary makes learnable in seconds)."""
-    return [r.split().count("w7") / max(1, len(r.split())) for r in responses]
+def text(completion) -> str:
+    """A completion's text: a string, or TRL's conversational form [{"role": "assistant", "content": ...}]."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
-def wrong_length(prompts, responses):
-    return [0.0] * (len(responses) + 1)
+def target_word_fraction(completions, **kwargs):
+    """Fraction of completion words equal to 'w7' (a reward the tiny vocabulary makes learnable in seconds)."""
+    return [text(c).split().count("w7") / max(1, len(text(c).split())) for c in completions]
 
 
-def not_finite(prompts, responses):
-    return [float("nan")] * len(responses)
+def wrong_length(completions, **kwargs):
+    return [0.0] * (len(completions) + 1)
+
+
+def not_finite(completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def not_numbers(completions, **kwargs):
+    return ["1.0"] * len(completions)
+
+
+def positional(prompts, responses):
+    """The signature ppo.py took before TRL's keyword convention."""
+    return [0.0] * len(responses)
+
+
+def judges_w7_only(completions, **kwargs):
+    """target_word_fraction where the completion has a 'w7', else None (the row is not judged)."""
+    return [f if f > 0 else None for f in target_word_fraction(completions)]
+
+
+def never_judges(completions, **kwargs):
+    return [None] * len(completions)
 
 
 _calls = 0
 
 
-def explodes_after_first_update(prompts, responses):
+def explodes_after_first_update(completions, **kwargs):
     """Finite until the third call (the start-up probe, then update 1), then 1e38: the value loss overflows."""
     global _calls
     _calls += 1
-    return [1e38 if _calls > 2 else 0.0] * len(responses)
+    return [1e38 if _calls > 2 else 0.0] * len(completions)
 
 
-def logged_target_word_fraction(prompts, responses):
+def logged_target_word_fraction(prompts, completions, **kwargs):
     """target_word_fraction, appending each call's prompts as one JSON line to $PROMPT_LOG (what each batch scored)."""
     import json
     import os
 
     with open(os.environ["PROMPT_LOG"], "a") as f:
         f.write(json.dumps(prompts) + "\n")
-    return target_word_fraction(prompts, responses)
+    return target_word_fraction(completions)
+
+
+def nan_after_first_update(completions, **kwargs):
+    """0.0 until the third call (the start-up probe, then update 1), then NaN: refused at update 2's scoring."""
+    global _calls
+    _calls += 1
+    return [float("nan") if _calls > 2 else 0.0] * len(completions)
+
+
+def accuracy(completions, solution, **kwargs):
+    """Written for TRL's GRPOTrainer (the shape of open-r1's accuracy_reward): 1.0 where the completion names the row's
+    `solution` column, else 0.0."""
+    return [float(sol in text(c).split()) for c, sol in zip(completions, solution)]

@@ -151,7 +151,7 @@ def test_eval_score_is_the_reward_of_the_logged_texts(eval_runs, assets):
         table = [s for s in samples if s["update"] == row["update"]]
         responses = [tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"],
                                 skip_special_tokens=True) for s in table]  # as the reward saw them: eos dropped
-        scores = target_word_fraction([s["prompt"] for s in table], responses)
+        scores = target_word_fraction(responses)
         assert scores == pytest.approx([s["score"] for s in table], abs=1e-6)
         assert row["eval/scores"] == pytest.approx(sum(scores) / 4, abs=1e-6)
         assert row["eval/scores/logged_target_word_fraction"] == pytest.approx(row["eval/scores"], abs=1e-6)
@@ -392,10 +392,17 @@ def test_fused_head_matches_the_models_own_head(tmp_path, arch):
     assert not ppo.fused_head_is_exact(policy, qr, PAD, 0.7)
 
 
-def test_vader_reward_is_sentiment():
-    good, bad, neutral = ppo.load_reward_fn("vader")(["", "", ""], ["I love this movie, it was wonderful!",
-                                                                   "This film was terrible and boring.", "w3 w4"])
+def test_vader_reward_is_sentiment_of_what_the_policy_wrote():
+    vader = ppo.load_reward_fn("vader")
+    good, bad, neutral = vader(prompts=["", "", ""], completions=["I love this movie, it was wonderful!",
+                                                                  "This film was terrible and boring.", "w3 w4"])
     assert good > 0.5 and bad < -0.5 and neutral == 0.0
+    # a chat completion continues its prompt's assistant prefix (TRL's form): only the continuation is scored
+    prompt = [{"role": "user", "content": "Continue."}, {"role": "assistant", "content": "A terrible, awful film"}]
+    scores = vader(prompts=[prompt, prompt[:1]], completions=[
+        [{"role": "assistant", "content": "A terrible, awful film, and yet I loved it"}],
+        [{"role": "assistant", "content": "and yet I loved it"}]])
+    assert scores[0] == scores[1] > 0.5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -422,15 +429,40 @@ def test_load_prompt_dataset_from_files_dirs_and_configs(tmp_path):
 
 def test_reward_fn_loading_and_checks():
     fn = ppo.load_reward_fn(REWARD_FN)
-    assert ppo.call_reward_fn(fn, ["a", "b"], ["w7 w7", "w1 w7"], "cpu").tolist() == [1.0, 0.5]
+    kwargs = dict(prompts=["a", "b"], completions=["w7 w7", "w1 w7"], completion_ids=[[8, 8], [2, 8]])
+    assert ppo.call_reward_fn(fn, kwargs, "cpu", REWARD_FN).tolist() == [1.0, 0.5]
     assert ppo.load_reward_fn("math:fabs")(-2.0) == 2.0  # importable module form
     for spec, msg in [("nocolon", "expected"), ("tests/missing.py:f", "cannot import"),
                       ("no_such_module_xyz:f", "cannot import"), ("tests/rewards.py:absent", "no callable")]:
         with pytest.raises(ValueError, match=msg):
             ppo.load_reward_fn(spec)
-    for name, msg in [("wrong_length", "shape"), ("not_finite", "non-finite")]:
-        with pytest.raises(ValueError, match=msg):
-            ppo.call_reward_fn(ppo.load_reward_fn(f"tests/rewards.py:{name}"), ["a"], ["b"], "cpu")
+    # each error names the function and the keywords it was offered; the old positional signature is shown the new one
+    offered = "called with the keywords prompts, completions, completion_ids, solution"
+    for name, msg in [("wrong_length", "returned list .*expected a list of 2 numbers"),
+                      ("not_finite", "non-finite score"), ("not_numbers", "returned '1.0' \\(str\\)"),
+                      ("positional", "cannot take them .*def f\\(completions, \\*\\*kwargs\\)")]:
+        with pytest.raises(ValueError, match=f"--reward-fn {name}, {offered},.*{msg}"):
+            ppo.call_reward_fn(ppo.load_reward_fn(f"tests/rewards.py:{name}"), {**kwargs, "solution": ["1", "2"]},
+                               "cpu", name)
+    scores = ppo.call_reward_fn(ppo.load_reward_fn("tests/rewards.py:judges_w7_only"), kwargs, "cpu", "judges")
+    assert scores[0] == 1.0 and scores[1] == 0.5
+    scores = ppo.call_reward_fn(lambda completions, **kw: [None, 2], kwargs, "cpu", "none")
+    assert scores.isnan().tolist() == [True, False] and scores[1] == 2.0
+
+
+def test_reward_fn_kwargs_follow_trl():
+    """TRL's GRPOTrainer keywords: prompts as given, completions (message lists for chat prompts, a continued
+    assistant prefix included), completion_ids before padding, and every other column."""
+    tok = make_tokenizer(pad=True)
+    prefix = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    rows = {"prompt": [prefix, prefix[:1]], "input_ids": [[2, 3], [2]], "solution": ["4", "5"], "completion": ["x", "y"]}
+    responses = torch.tensor([[8, 9, 0, 31], [7, 31, 31, 31]])
+    kwargs = ppo.reward_fn_kwargs(tok, rows, "prompt", responses)
+    assert kwargs == dict(prompts=rows["prompt"], completions=[[{"role": "assistant", "content": "w2w7 w8"}],
+                                                                [{"role": "assistant", "content": "w6"}]],
+                          completion_ids=[[8, 9, 0], [7]], solution=["4", "5"])
+    kwargs = ppo.reward_fn_kwargs(tok, {"q": ["w1 w2", "w3"], "input_ids": [[2, 3], [4]]}, "q", responses)
+    assert kwargs["prompts"] == ["w1 w2", "w3"] and kwargs["completions"] == ["w7 w8", "w6"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -280,6 +280,9 @@ def bad_assets(chat, assets, tmp_path_factory):
         paths[name] = root / name
         AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).save_pretrained(paths[name])
         tok.save_pretrained(paths[name])
+    paths["clash"] = root / "clash.jsonl"
+    paths["clash"].write_text("".join(json.dumps({"prompt": [{"role": "user", "content": "w3"}], "completions": "w4"})
+                                      + "\n" for _ in range(40)))
     paths["role"] = root / "role.jsonl"
     paths["role"].write_text("".join(json.dumps({"prompt": [{"role": "narrator", "content": "w3"}]}) + "\n"
                                      for _ in range(40)))
@@ -289,7 +292,13 @@ def bad_assets(chat, assets, tmp_path_factory):
 @pytest.mark.parametrize("overrides, message", [
     (dict(reward_model_path="RM_OTHER", reward_weights=(1.0,)), "1 weight(s) for 2 reward(s)"),
     (dict(reward_weights=(1.0, 2.0)), "2 weight(s) for 1 reward(s)"),
-    (dict(reward_fn="tests/rewards.py:wrong_length"), "--reward-fn tests/rewards.py:wrong_length returned shape"),
+    (dict(reward_fn="tests/rewards.py:wrong_length"), "--reward-fn tests/rewards.py:wrong_length, called with the "
+     "keywords prompts, completions, completion_ids, returned list [0.0, 0.0, 0.0]; expected a list of 2 numbers"),
+    (dict(reward_fn="tests/rewards.py:not_numbers"), "tests/rewards.py:not_numbers, called with the keywords prompts, "
+     "completions, completion_ids, returned '1.0' (str)"),
+    (dict(reward_fn="tests/rewards.py:not_finite"), "returned a non-finite score"),
+    (dict(reward_fn="tests/rewards.py:positional"), "def f(completions, **kwargs)"),
+    (dict(dataset_name="CLASH"), "column(s) ['completions'] would collide"),
     (dict(reward_model_path="NO_PAD", reward_fn=()), "neither a pad nor an eos token"),
     (dict(reward_model_path="NO_TEMPLATE", reward_fn=()), "with no chat template"),
     (dict(dataset_name="ROLE"), "unknown role"),
@@ -300,6 +309,7 @@ def bad_assets(chat, assets, tmp_path_factory):
 ])
 def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_path, overrides, message):
     named = {"RM_OTHER": chat["rm_other"], "NO_PAD": bad_assets["rm_no_pad_no_eos"], "ROLE": bad_assets["role"],
+             "CLASH": bad_assets["clash"],
              "NO_TEMPLATE": bad_assets["rm_no_template"], "PLAIN_SFT": assets["sft"], "PLAIN_PROMPTS": assets["prompts"]}
     fields = dict(sft_model_path=str(chat["sft"]), reward_fn=REWARD_FN, dataset_name=str(chat["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
@@ -308,3 +318,70 @@ def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_pat
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward functions written for TRL (issue #27): keywords, the dataset's columns, None for a row not judged
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trl_fn_runs(chat, assets, tmp_path_factory):
+    """`def accuracy(completions, solution, **kwargs)` on a text and on a chat dataset with a `solution` column."""
+    root, rng, runs = tmp_path_factory.mktemp("trl_fn"), random.Random(1), {}
+    for kind, sft, prompts in (("text", assets["sft"], assets["prompts"]), ("chat", chat["sft"], chat["prompts"])):
+        rows = [{**json.loads(line), "solution": rng.choice(["w3", "w7"])}
+                for line in prompts.read_text().splitlines()]
+        data = root / f"{kind}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        run_ppo(["--sft-model-path", str(sft), "--reward-fn", "tests/rewards.py:accuracy", "--dataset-name",
+                 str(data), *TINY, "--eval-samples", "8", "--eval-every", "1"], root / kind)
+        runs[kind] = rows, sft, root / kind
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_trl_reward_fn_sees_the_columns_and_its_scores_are_logged(trl_fn_runs, kind):
+    """Every logged sample's score equals the function's own output on that sample: the completion rebuilt from the
+    logged text (as TRL forms it: a string, or an assistant message) and the row's `solution`."""
+    from rewards import accuracy
+
+    rows, sft, out = trl_fn_runs[kind]
+    tok = AutoTokenizer.from_pretrained(sft)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 8  # before training, after updates 1 and 2
+    for i, s in enumerate(samples):
+        text = tok.decode(tok(s["model response"], add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        completion = text if kind == "text" else [{"role": "assistant", "content": text}]
+        assert [s["accuracy"]] == [s["score"]] == accuracy([completion], [rows[-8 + i % 8]["solution"]])
+    for m in metrics:
+        table = [s["accuracy"] for s in samples if s["update"] == m["update"]]
+        assert m["eval/scores/accuracy"] == pytest.approx(sum(table) / 8)
+    assert {s["accuracy"] for s in samples} == {0.0, 1.0}  # the solution column decides: some right, some wrong
+
+
+def test_none_adds_nothing_and_its_share_is_logged(assets, tmp_path):
+    """judges_w7_only returns target_word_fraction where it is above 0, else None: with None counted as 0 the two
+    are equal, so the score is twice target_word_fraction's mean, and the judged rows' mean is the rest."""
+    _, rows = run_ppo(["--sft-model-path", str(assets["sft"]), "--reward-fn", "tests/rewards.py:judges_w7_only",
+                       "tests/rewards.py:target_word_fraction", "--dataset-name", str(assets["prompts"]), *TINY,
+                       "--total-episodes", "48"], tmp_path)
+    for r in rows:
+        fraction, none = r["objective/scores/target_word_fraction"], r.get("objective/scores_none/judges_w7_only", 0)
+        assert r["objective/scores"] == pytest.approx(2 * fraction, abs=1e-6)
+        if none < 1:
+            assert r["objective/scores/judges_w7_only"] * (1 - none) == pytest.approx(fraction, abs=1e-6)
+        assert "objective/scores_none/target_word_fraction" not in r
+    assert any(0 < r.get("objective/scores_none/judges_w7_only", 0) < 1 for r in rows)
+
+
+def test_a_row_no_reward_judges_is_refused_before_any_step(assets, tmp_path):
+    args = ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(assets["prompts"]), *TINY]
+    proc, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:never_judges"], tmp_path / "none", check=False)
+    assert proc.returncode != 0 and "every reward returned None for the prompt" in proc.stderr
+    assert not (tmp_path / "none" / "checkpoints").exists()
+    # a function that goes wrong later stops the run at that update's scoring; the last checkpoint stays
+    proc, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:nan_after_first_update", "--save-every", "1",
+                          "--eval-samples", "0", "--total-episodes", "48"], tmp_path / "nan", check=False)
+    assert proc.returncode != 0 and "nan_after_first_update, called with the keywords" in proc.stderr
+    assert [r["update"] for r in rows] == [1]
+    assert (tmp_path / "nan" / "checkpoints" / "latest").read_text().strip() == "update-000001"
