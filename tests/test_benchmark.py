@@ -1,5 +1,6 @@
 """The pure parts of benchmarks/throughput.py: the matmul weight count and the FLOP count of one PPO update, each
-against a naive count (a model's nn.Linear modules; a loop over every forward and every token). No timing here."""
+against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the data and
+reward of the verifiable-reward recipe, benchmarks/arithmetic.py. No timing here."""
 import sys
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import arithmetic  # noqa: E402
 import throughput  # noqa: E402
 
 
@@ -45,3 +47,20 @@ def test_update_flops(batch, context, response, epochs):
     blocks, head = throughput.matmul_params(128, 6, 512, 49153)
     assert throughput.update_flops(blocks, head, batch, context, response, epochs) == naive_update_flops(
         blocks, head, batch, context, response, epochs)
+
+
+def test_arithmetic_rows_are_deterministic_and_the_held_out_questions_are_new():
+    rows = arithmetic.make_rows(600, seed=3, eval_samples=100)
+    assert rows == arithmetic.make_rows(600, seed=3, eval_samples=100) != arithmetic.make_rows(600, 4, 100)
+    question = lambda r: r["prompt"][-1]["content"]  # noqa: E731
+    train, held_out = {question(r) for r in rows[:500]}, {question(r) for r in rows[500:]}
+    assert len(held_out) > 20 and not train & held_out
+    for r in rows:  # the solution is the sum the question asks for
+        a, b = (int(x) for x in question(r).split("?")[0].removeprefix("What is ").split(" + "))
+        assert r["solution"] == str(a + b)
+
+
+def test_arithmetic_accuracy_reads_the_last_integer_of_either_completion_form():
+    completions = ["4 + 18 = 22", [{"role": "assistant", "content": "The answer is 22."}], "22 + 1", "no number",
+                   [{"role": "assistant", "content": "It costs 1,022 dollars"}]]
+    assert arithmetic.accuracy(completions, ["22", "22", "22", "22", "1022"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
