@@ -1,4 +1,6 @@
-# PPO for language models (RLHF), CleanRL style: one file, read top to bottom. Docs: README.md.
+# PPO for language models (RLHF), CleanRL style: one file, read top to bottom. Docs: README.md. The order: `Args`, the
+# PPO math, `main` (the loop), then the plumbing it calls (set-up, forwards, models, rewards, logs), which Python
+# resolves when `main` runs.
 # Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
 # (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
 # in a comment with the word "TRL".
@@ -14,9 +16,9 @@ import random
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Annotated, Callable, Literal, NamedTuple, get_type_hints
 
 import numpy as np
 import torch
@@ -38,11 +40,11 @@ VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's we
 
 
 @dataclass
-class Args:
+class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low, high)"], checked by `check_args`
     # common args
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
-    seed: int = 1
+    seed: Annotated[int, "[0, 2147483647]"] = 1
     """seed of the experiment (python, numpy and torch; rank r uses seed + r * 100003)"""
     track: bool = False
     """if toggled, this experiment will be tracked with Weights and Biases"""
@@ -61,7 +63,7 @@ class Args:
     reward_fn: tuple[str, ...] = ()
     """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`), one or more: `vader`,
     `module:function` or `file.py:function`; no reward given: `vader`"""
-    reward_weights: tuple[float, ...] | None = None
+    reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
     """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
     """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy"""
@@ -77,83 +79,85 @@ class Args:
     """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
     """render prompts with the policy's chat template: auto for message lists, true for text prompts too, or false"""
-    eval_samples: int = 256
+    eval_samples: Annotated[int, "[0, inf)"] = 256
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: int = 2048
+    total_episodes: Annotated[int, "[1, inf)"] = 2048
     """the total number of sampled responses to train on (the one budget knob)"""
-    per_device_train_batch_size: int = 16
+    per_device_train_batch_size: Annotated[int, "[1, inf)"] = 16
     """the micro-batch size per process: responses in one training forward/backward"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, "[1, inf)"] = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: int = 8
+    num_mini_batches: Annotated[int, "[1, inf)"] = 8
     """minibatches (optimizer steps) per PPO epoch"""
-    num_ppo_epochs: int = 1
+    num_ppo_epochs: Annotated[int, "[1, inf)"] = 1
     """passes of PPO over each rollout batch"""
-    local_rollout_forward_batch_size: int = 64
+    local_rollout_forward_batch_size: Annotated[int, "[1, inf)"] = 64
     """per-process chunk size for generation and the no-grad reference/value/reward forwards"""
 
     # generation
-    response_length: int = 16
+    response_length: Annotated[int, "[1, inf)"] = 16
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
     """`eos`: stop at the chat template's end-of-turn token, else at eos, and truncate after it (None: never stop)"""
-    stop_token_id: int | None = None
+    stop_token_id: Annotated[int | None, "[0, inf)"] = None
     """stop at this token id instead (takes precedence over --stop-token)"""
-    temperature: float = 0.7
+    temperature: Annotated[float, "(0, inf)"] = 0.7
     """the sampling temperature; the same temperature divides the logits in every forward"""
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: Annotated[float | None, "[0, inf)"] = None
     """subtracted from the score of responses that contain no eos (stop) token"""
 
     # PPO
-    kl_coef: float = 0.1
+    kl_coef: Annotated[float, "[0, inf)"] = 0.1
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL from the logits)"""
-    kl_target: float | None = None
+    kl_target: Annotated[float | None, "(0, inf)"] = None
     """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed)"""
-    kl_horizon: float = 10000
+    kl_horizon: Annotated[float, "(0, inf)"] = 10000
     """adaptive KL: beta moves by at most 20% x (episodes per update / horizon) per update"""
-    cliprange: float = 0.2
+    cliprange: Annotated[float, "(0, inf)"] = 0.2
     """the policy-ratio clip range"""
-    vf_coef: float = 0.1
+    vf_coef: Annotated[float, "[0, inf)"] = 0.1
     """the value-loss coefficient"""
-    cliprange_value: float = 0.2
+    ent_coef: Annotated[float, "[0, inf)"] = 0.0
+    """the entropy-bonus coefficient: the loss subtracts it x the mean entropy (0: no bonus, as TRL)"""
+    cliprange_value: Annotated[float, "(0, inf)"] = 0.2
     """the value clip range (absolute, around the rollout's values)"""
-    gamma: float = 1.0
+    gamma: Annotated[float, "[0, 1]"] = 1.0
     """the discount factor"""
-    lam: float = 0.95
+    lam: Annotated[float, "[0, 1]"] = 0.95
     """the GAE lambda"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
-    target_kl: float | None = None
+    target_kl: Annotated[float | None, "(0, inf)"] = None
     """end the update's PPO epochs once a minibatch's approx KL (mean over processes) exceeds this"""
-    ratio_threshold: float | None = None
+    ratio_threshold: Annotated[float | None, "(0, inf)"] = None
     """skip a minibatch whose masked mean ratio exceeds this (costs a no-grad forward)"""
     use_score_scaling: bool = False
     """divide scores by the running standard deviation of all scores so far (over all processes)"""
     use_score_norm: bool = False
     """also subtract the running mean (implies the scaling)"""
-    score_clip: float | None = None
+    score_clip: Annotated[float | None, "(0, inf)"] = None
     """clip scores to [-score_clip, score_clip], after any scaling"""
 
     # optimizer
-    num_trainable_layers: int | None = 6
+    num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, "[0, inf)"] = 1e-4
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
     # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Training in the memory of one model")
     use_peft: bool = False
     """train a LoRA adapter instead of the policy's weights; the reference is the policy with the adapter off"""
-    lora_r: int = 16
+    lora_r: Annotated[int, "[1, inf)"] = 16
     """the LoRA rank"""
-    lora_alpha: int = 32
+    lora_alpha: Annotated[int, "(0, inf)"] = 32
     """the LoRA scaling numerator (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
+    lora_dropout: Annotated[float, "[0, 1)"] = 0.0
     """a fresh adapter's dropout in training forwards (a loaded adapter's is off)"""
     lora_target_modules: list[str] | None = None
     """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
@@ -169,11 +173,11 @@ class Args:
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    eval_every: int = 8
+    eval_every: Annotated[int, "[0, inf)"] = 8
     """score the held-out prompts every N updates, before the first and after the last (0: only those two)"""
-    save_every: int = 0
+    save_every: Annotated[int, "[0, inf)"] = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
-    save_total_limit: int | None = None
+    save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
     resume: str | None = None
     """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
@@ -186,21 +190,6 @@ class Args:
         for name in ("reward_model_path", "reward_fn"):
             value = getattr(self, name)
             setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
-
-
-# the valid interval of every numeric flag ("[" and "]" include the bound); a None that a flag allows is no value
-FLAG_RANGES = {
-    "seed": "[0, 2147483647]", "reward_weights": "(-inf, inf)", "eval_samples": "[0, inf)",
-    "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
-    "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
-    "response_length": "[1, inf)", "stop_token_id": "[0, inf)", "temperature": "(0, inf)",
-    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
-    "cliprange": "(0, inf)", "vf_coef": "[0, inf)", "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]",
-    "target_kl": "(0, inf)", "ratio_threshold": "(0, inf)", "score_clip": "(0, inf)",
-    "num_trainable_layers": "[1, inf)", "learning_rate": "[0, inf)", "max_grad_norm": "(0, inf)", "lora_r": "[1, inf)",
-    "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)", "eval_every": "[0, inf)", "save_every": "[0, inf)",
-    "save_total_limit": "[1, inf)",
-}
 
 
 # ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
@@ -427,6 +416,231 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
+# ---- main: the PPO loop, phase by phase; the plumbing it calls follows it, section by section ------------------------
+def main(args: Args) -> None:
+    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    accelerator, setup = set_up(args)
+    models = load_models(args, accelerator, setup)
+    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
+    device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
+    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
+    console = Console()
+    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
+    torch.manual_seed(local_seed)
+    start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
+    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(setup.checkpoint))
+        saved = setup.saved
+        start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
+            **saved["score_moments"])
+        if accelerator.is_main_process:
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")
+    run_log = RunLog(args, accelerator, setup, start_update, console)
+    if accelerator.is_main_process:
+        print_banner(console, setup.run_name, args, sizes, {
+            "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
+            "value head": models.value_head,
+            **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
+            accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
+            banner_notes(setup))
+    checkpoints = setup.output_dir / "checkpoints"
+    start_time = time.time()
+    run_log.progress.start()
+    if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
+        run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
+    for update in range(start_update, sizes.num_updates + 1):
+        episode = update * sizes.batch_size
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate  # linear anneal, per update: N+ detail 29
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
+        batch_rows = setup.train_dataset[indices.tolist()]
+        queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
+        context_length = queries.size(1)
+        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        timer = time.perf_counter()
+        with torch.no_grad(), accelerator.autocast():
+            # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
+            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                   stop_token_id)
+            time_generation = time.perf_counter() - timer
+            query_responses = torch.cat((queries, responses), 1)
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
+            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
+            response_ids = responses.masked_fill(responses == pad_token_id, 0)
+
+            # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
+            ref_logprobs, values, full_kl_per_token, fast = reference_and_values(
+                models, query_responses, response_ids, context_length, args, pad_token_id)
+            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
+            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
+            time_scoring = time.perf_counter() - timer - time_generation
+            contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
+            if args.missing_eos_penalty is not None:
+                scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
+            # PPO trains on trained_scores from here on: a change to `scores` below this line is only logged
+            trained_scores = scale_scores(scores, score_moments, args, accelerator)
+
+            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
+            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            values = values.masked_fill(padding_mask_p1, 0)
+            kl = (full_kl_per_token.masked_fill(padding_mask, 0) if args.kl_estimator == "full" else
+                  kl_penalty(logprobs, ref_logprobs, args.kl_estimator))  # 0 at padding: both logprobs are 1.0
+            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
+            if args.whiten_rewards:
+                rewards = whiten_rewards(rewards, padding_mask_p1)
+
+            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
+            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+            time_gae = time.perf_counter() - timer - time_generation - time_scoring
+
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
+        timer = time.perf_counter()
+        model.train()
+        step_stats = []  # by name, one dict per micro-batch that ran
+        optimizer_steps = skipped_minibatches = 0
+        stop_early = False
+        for ppo_epoch_idx in range(args.num_ppo_epochs):
+            if stop_early:
+                break
+            b_inds = np.random.permutation(sizes.local_batch_size)
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
+                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
+                                     padding_mask, fast, pad_token_id):
+                    skipped_minibatches += 1
+                    continue
+                for mbi in micro_batches:
+                    with accelerator.accumulate(model):
+                        new_logprobs, entropy, vpred = model(query_responses[mbi], pad_token_id, context_length,
+                                                             response_ids[mbi], args.temperature, fast.rows(mbi))
+                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
+                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
+                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
+                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
+                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
+                                                          args.cliprange_value)
+                        stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                                 "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                                 "policy/entropy_avg": masked_mean(entropy, ~padding_mask[mbi]), "ratio": ratio_mean}
+                        loss = pg_loss + args.vf_coef * vf_loss  # no KL loss term: the KL is in the rewards (as TRL)
+                        if args.ent_coef != 0:  # an entropy bonus (OpenRLHF, verl; TRL had none): its mean entropy
+                            stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
+                            loss = loss - args.ent_coef * stats["loss/entropy_avg"]
+                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
+                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
+                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
+                                                     f"good checkpoint is kept in {checkpoints}")
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            optimizer_steps += 1
+                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        step_stats.append({k: v.detach() for k, v in stats.items()})
+                    del new_logprobs, entropy, vpred, loss, stats
+                # --target-kl: after every minibatch, on all processes together (classic TRL: once per epoch)
+                minibatch_kl = torch.stack([s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]]).mean()
+                stop_early = args.target_kl is not None and bool(accelerator.reduce(minibatch_kl, "mean") >
+                                                                 args.target_kl)
+                if stop_early:
+                    break
+        time_training = time.perf_counter() - timer
+
+        # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
+        with torch.no_grad():
+            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
+                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                                          trained_scores, contain_eos_token, sequence_lengths, score_components,
+                                          step_stats)}
+        metrics.update({
+            "policy/optimizer_steps": optimizer_steps,
+            "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
+            "objective/kl_coef": kl_coef,  # the beta these rewards used
+            "time/generation": time_generation,  # seconds on rank 0: sampling
+            "time/scoring": time_scoring,  # reference, value and reward forwards
+            "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
+            "time/training": time_training,  # PPO epochs
+            "lr": lr,
+            "episode": episode,
+        })
+        if args.use_score_scaling or args.use_score_norm:
+            metrics["objective/score_running_mean"] = score_moments.mean
+            metrics["objective/score_running_std"] = score_moments.std
+        if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
+            metrics.update(evaluate(accelerator, model, args, setup, eval_queries, update, console))
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
+                                       sizes.batch_size)
+        run_log.log(update, metrics)
+
+        # 8. Save a resumable checkpoint every --save-every updates and after the last
+        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, checkpoints, dict(
+                update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
+                **setup.run_state), args.save_total_limit)
+        run_log.progress.update(run_log.task, advance=1)
+        del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
+             rewards, advantages, returns)
+    run_log.close()
+    save_models(accelerator, model, args, setup, console)
+    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+# ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
+def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
+                     contain_eos_token, sequence_lengths, score_components: dict, step_stats: list[dict]) -> dict:
+    """The update's metrics by name (TRL's): each a per-process scalar in `local` (a new metric is one line there),
+    averaged over processes in one gather; the PPO statistics average over the micro-batches that ran."""
+    real, n = (~padding_mask).float(), accelerator.num_processes
+    local = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/rlhf_reward": non_score_reward.sum(1).mean() + trained_scores.mean(),  # what PPO maximised
+        "objective/scores": scores.mean(),
+        # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
+        "val/num_eos_tokens": n * (contain_eos_token.sum().float() if contain_eos_token is not None else
+                                   torch.zeros((), device=scores.device)),
+        "val/response_length": (sequence_lengths + 1).float().mean(),
+        # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
+        **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
+           if k != "ratio"},
+    }
+    if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
+        local["objective/scaled_scores"] = trained_scores.mean()
+    metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
+    ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
+    return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
+            else 0.0,
+            # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
+            **reward_means(score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
+
+
+def reward_means(components: dict, prefix: str, total: Callable) -> dict:
+    """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
+    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
+                              for c in components.values()]))
+    means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
+             if none < size}
+    return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
+                        zip(components, sums) if none > 0}}
+
+
 # ---- Set-up: every check before any model loads ----------------------------------------------------------------------
 def in_interval(value: float, interval: str) -> bool:
     """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
@@ -435,9 +649,16 @@ def in_interval(value: float, interval: str) -> bool:
                                                                        value < high)
 
 
+def flag_intervals() -> dict[str, str]:
+    """Each numeric flag's valid interval, written beside it in `Args` as Annotated[type, "[low, high)"] ("[" and "]"
+    include the bound; a None that a flag allows is no value)."""
+    return {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()
+            if hasattr(hint, "__metadata__")}
+
+
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    for name, interval in FLAG_RANGES.items():
+    for name, interval in flag_intervals().items():
         value = getattr(args, name)
         for v in value if isinstance(value, tuple) else (value,):
             if v is not None and not in_interval(v, interval):
@@ -759,10 +980,36 @@ def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: i
                               atol=1e-5)
 
 
-def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None):
+@dataclass
+class FastPaths:
+    """The exact speed paths, each checked at start-up (`load_models`), handed to the forwards as one object: the fused
+    LM head (`head_logprobs`), and the output of frozen bottom blocks (`frozen_trunk`), computed once per update by
+    `with_trunks` and reused by every later forward. FastPaths() or None: the plain computation."""
+    fused_head: bool = False
+    num_frozen: dict = field(default_factory=dict)  # "policy"/"value": the bottom blocks no forward needs to rerun
+    value_shares_trunk: bool = False  # the value model starts from the policy's weights: one trunk serves both
+    trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
+
+    def trunk(self, name: str):
+        """(hidden states after the frozen blocks, their number) for `final_hidden_states`, or None."""
+        name = "policy" if name == "value" and self.value_shares_trunk else name
+        return (self.trunks[name], self.num_frozen[name]) if name in self.trunks else None
+
+    def with_trunks(self, models: dict, query_responses, pad_token_id: int) -> "FastPaths":
+        """These paths with the trunks of these sequences computed (`models`: "policy"/"value" -> the model)."""
+        return replace(self, trunks={name: frozen_trunk(models[name], query_responses, pad_token_id, n)
+                                     for name, n in self.num_frozen.items()
+                                     if not (name == "value" and self.value_shares_trunk)})
+
+    def rows(self, index) -> "FastPaths":
+        """Restricted to some rows (a micro-batch)."""
+        return replace(self, trunks={name: hidden[index] for name, hidden in self.trunks.items()})
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length, fast: FastPaths | None = None):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    inputs, blocks = backbone_inputs(policy, query_responses, pad_token_id, trunk)
+    inputs, blocks = backbone_inputs(policy, query_responses, pad_token_id, fast.trunk("policy") if fast else None)
     with blocks:
         out = policy(**inputs, logits_to_keep=response_length + 1, use_cache=False)
     return out.logits[:, :-1]
@@ -770,7 +1017,7 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=N
 
 class HeadLogprobs(torch.autograd.Function):
     """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
-    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. The entropy gets no gradient."""
+    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. Both carry their gradients."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
@@ -785,19 +1032,20 @@ class HeadLogprobs(torch.autograd.Function):
                 logp = logits.sub_(lse.unsqueeze(-1))
                 entropies.append(-logp.exp().mul_(logp).sum(-1))
         lse = torch.cat(lses)
-        ctx.save_for_backward(hidden, weight, tokens, lse)
+        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
         ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
                             dtype=torch.get_autocast_dtype(device))
-        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
         return torch.cat(logprobs), entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, lse = ctx.saved_tensors
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                   device=weight.device) if ctx.needs_input_grad[1] else None
@@ -808,7 +1056,12 @@ class HeadLogprobs(torch.autograd.Function):
             # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
             with torch.autocast(**ctx.autocast):
                 logits = scale_logits(h @ weight.T, ctx.temperature, ctx.pad_token_id)
-            grad = logits.sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g)
+            logp = logits.sub_(lse[start:stop].unsqueeze(-1))
+            if grad_entropy is None:
+                grad = logp.exp_().mul_(-g)
+            else:  # and d entropy / d logits = -p (log p + entropy), formed as p (...) first: 0 in the pad column
+                p, g_entropy = logp.exp(), grad_entropy[start:stop].unsqueeze(-1)
+                grad = logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(g_entropy).add_(p.mul_(g)).neg_()
             grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
@@ -828,18 +1081,17 @@ def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entrop
     return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
 
 
-def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature, trunk=None,
-                      with_entropy=False, fused=True):
-    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution; fused: through
+def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
+                      fast: FastPaths | None = None, with_entropy=False):
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution; `fast.fused_head`: through
     `head_logprobs`, without (batch, length, vocab) logits."""
-    if fused:
-        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
-        return head_logprobs(hidden, policy.get_output_embeddings().weight, response_ids, temperature, pad_token_id,
-                             with_entropy)
-    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, trunk), temperature,
+    if fast and fast.fused_head:
+        hidden = final_hidden_states(policy, query_responses, pad_token_id, fast.trunk("policy"))
+        return head_logprobs(hidden[:, context_length - 1 : -1], policy.get_output_embeddings().weight, response_ids,
+                             temperature, pad_token_id, with_entropy)
+    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, fast), temperature,
                           pad_token_id)
-    with torch.no_grad():
-        entropy = entropy_from_logits(logits) if with_entropy else logits.new_zeros(0)
+    entropy = entropy_from_logits(logits) if with_entropy else logits.new_zeros(0)
     return logprobs_from_logits(logits, response_ids), entropy
 
 
@@ -851,15 +1103,17 @@ def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int
         return False
     ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
     with torch.no_grad():
-        fused = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
-        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True,
-                                  fused=False)
+        fused = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, FastPaths(True),
+                                  with_entropy=True)
+        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
         return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, trunk=None, head=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, fast: FastPaths | None = None,
+                  head=None):
     """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
     on the policy, whose LM head does not run) or the value model's `score`."""
+    trunk = fast.trunk("value" if head is None else "policy") if fast else None
     hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
     return (value_model.score if head is None else head)(hidden).squeeze(-1).float()
 
@@ -874,8 +1128,7 @@ class PolicyAndValueWrapper(nn.Module):
         self.value_model = value_model
         self.value_head = value_head
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused,
-                policy_trunk=None, value_trunk=None):
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fast=None):
         """(log-probs, entropies, values) of the responses; --shared-value-head: the values from the same policy
         forward, whose final hidden states a hook keeps."""
         hidden = []
@@ -883,14 +1136,12 @@ class PolicyAndValueWrapper(nn.Module):
             lambda module, args, output: hidden.append(output.last_hidden_state))
         try:
             logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
-                                                  response_ids, temperature, policy_trunk, with_entropy=True,
-                                                  fused=fused)
+                                                  response_ids, temperature, fast, with_entropy=True)
         finally:
             hook.remove()
         if self.value_head is not None:
             return logprobs, entropy, self.value_head(hidden[0][:, context_length - 1 : -1]).squeeze(-1).float()
-        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
-                                                value_trunk)
+        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length, fast)
 
 
 @torch.no_grad()
@@ -934,9 +1185,7 @@ class Models:
     ref_policy: nn.Module | None  # None with --use-peft: the policy with its adapter off (`reference_adapter`)
     value_model: nn.Module | None  # None with --shared-value-head
     value_head: nn.Linear | None
-    num_frozen: dict[str, int]  # "policy"/"value": bottom blocks that run once per update (`frozen_trunk`)
-    value_shares_trunk: bool
-    fused_head: bool  # log-probs by `head_logprobs`, without (batch, length, vocab) logits
+    fast: FastPaths  # the exact speed paths found at start-up, without this update's trunks
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
@@ -998,8 +1247,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
-    return Models(model, optimizer, policy, ref_policy, value_model, value_head, num_frozen, value_shares_trunk,
-                  fused_head)
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head,
+                  FastPaths(fused_head, num_frozen, value_shares_trunk))
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
@@ -1398,7 +1647,7 @@ def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
     return [_vader.polarity_scores(t)["compound"] for t in texts]
 
 
-BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
+BUILTIN_REWARD_FNS = {"vader": vader_sentiment}  # built when the file loads: define a new one above it
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -1529,58 +1778,39 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     return responses, logprobs
 
 
-def cached_trunk(model, query_responses, pad_token_id, num_frozen: dict, name: str):
-    """(hidden states after the frozen bottom blocks, their number) for a model with a frozen trunk, else None."""
-    if name not in num_frozen:
-        return None
-    return frozen_trunk(model, query_responses, pad_token_id, num_frozen[name]), num_frozen[name]
-
-
-def trunk_rows(trunk, rows):
-    """A cached frozen trunk restricted to some rows (a micro-batch), or None."""
-    return None if trunk is None else (trunk[0][rows], trunk[1])
-
-
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
                          context_length: int, args: Args, pad_token_id: int):
-    """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and
-    the frozen trunks (policy's, value's) this update's later forwards start from."""
-    ref_logprobs, values, policy_trunks, value_trunks, full_kls = [], [], [], [], []
+    """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and the fast
+    paths with the frozen trunks this update's later forwards start from."""
+    ref_logprobs, values, fasts, full_kls = [], [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
     chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
         # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-        policy_trunk = cached_trunk(policy, qr, pad_token_id, models.num_frozen, "policy")
-        value_trunk = policy_trunk if models.value_shares_trunk else cached_trunk(value_model, qr, pad_token_id,
-                                                                                 models.num_frozen, "value")
+        fast = models.fast.with_trunks({"policy": policy, "value": value_model}, qr, pad_token_id)
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())
         with reference:
             if full:  # the policy's whole distribution too, one chunk at a time
-                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, policy_trunk),
+                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, fast),
                                        args.temperature, pad_token_id)
             else:
-                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
-                                            policy_trunk, fused=models.fused_head)[0]
+                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature, fast)[0]
         if full:
             ref_logprobs.append(logprobs_from_logits(ref_out, ids))
-            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length, policy_trunk),
+            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length, fast),
                                                  args.temperature, pad_token_id), ref_out))
         else:
             ref_logprobs.append(ref_out)
         del ref_out
-        values.append(value_forward(value_model, qr, pad_token_id, context_length, value_trunk) if value_head is None
-                      else value_forward(policy, qr, pad_token_id, context_length, policy_trunk, value_head))
-        policy_trunks.append(policy_trunk[0] if policy_trunk else None)
-        value_trunks.append(value_trunk[0] if value_trunk else None)
-    policy_trunk = (torch.cat(policy_trunks), models.num_frozen["policy"]) if "policy" in models.num_frozen else None
-    value_trunk = policy_trunk if models.value_shares_trunk else (
-        (torch.cat(value_trunks), models.num_frozen["value"]) if "value" in models.num_frozen else None)
-    return (torch.cat(ref_logprobs), torch.cat(values), torch.cat(full_kls) if full else None, policy_trunk,
-            value_trunk)
+        values.append(value_forward(value_model, qr, pad_token_id, context_length, fast) if value_head is None
+                      else value_forward(policy, qr, pad_token_id, context_length, fast, value_head))
+        fasts.append(fast)
+    fast = replace(models.fast, trunks={k: torch.cat([f.trunks[k] for f in fasts]) for k in fasts[0].trunks})
+    return torch.cat(ref_logprobs), torch.cat(values), torch.cat(full_kls) if full else None, fast
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
@@ -1595,7 +1825,7 @@ def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args
 
 
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
-                      response_ids, logprobs, padding_mask, policy_trunk, pad_token_id: int) -> bool:
+                      response_ids, logprobs, padding_mask, fast: FastPaths, pad_token_id: int) -> bool:
     """--ratio-threshold: whether a minibatch's masked mean ratio over all processes, from a no-grad forward, exceeds
     the threshold; then every process skips it whole (classic TRL zeroed the loss but still stepped Adam)."""
     if args.ratio_threshold is None:
@@ -1605,59 +1835,11 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
             new = response_logprobs(models.policy, query_responses[mbi], pad_token_id, context_length,
-                                    response_ids[mbi], args.temperature, trunk_rows(policy_trunk, mbi),
-                                    fused=models.fused_head)[0]
+                                    response_ids[mbi], args.temperature, fast.rows(mbi))[0]
             real = ~padding_mask[mbi]
             total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
     return (total[0] / total[1]).item() > args.ratio_threshold
-
-
-def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
-                     contain_eos_token, sequence_lengths, score_components: dict, stats: dict, trained) -> dict:
-    """The update's metrics (TRL's names) averaged over processes, over real tokens and the minibatches that ran."""
-    device = accelerator.device
-    real = (~padding_mask).float()
-    local = torch.stack([
-        kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-        non_score_reward.sum(1).mean(), scores.mean(), trained_scores.mean(),
-        (contain_eos_token.sum() if contain_eos_token is not None else torch.zeros((), device=device)).float(),
-        (sequence_lengths + 1).float().mean(),
-    ])
-    gathered = accelerator.gather(local.unsqueeze(0))
-    ran = accelerator.gather(trained.unsqueeze(0))
-    ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))[ran]
-    stat_means = {k: accelerator.gather(v.unsqueeze(0))[ran].mean().item() if ran.any() else 0.0
-                  for k, v in stats.items() if k != "ratio"}
-    mean_kl, mean_entropy, mean_nsr, mean_scores, mean_trained, _, mean_len = gathered.mean(0).tolist()
-    metrics = {
-        "objective/kl": mean_kl,
-        "objective/entropy": mean_entropy,
-        "objective/non_score_reward": mean_nsr,
-        "objective/rlhf_reward": mean_nsr + mean_trained,  # what PPO maximised: scaled/clipped scores if asked
-        "objective/scores": mean_scores,
-        # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
-        **reward_means(score_components, "objective", lambda t: accelerator.reduce(t, "sum")),
-        **stat_means,  # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
-        "val/ratio": ratio_all.mean().item() if ratio_all.numel() else 1.0,
-        "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-        "val/num_eos_tokens": gathered[:, 5].sum().item(),  # responses ending in eos, over all ranks
-        "val/response_length": mean_len,
-    }
-    if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
-        metrics["objective/scaled_scores"] = mean_trained
-    return metrics
-
-
-def reward_means(components: dict, prefix: str, total: Callable) -> dict:
-    """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
-    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
-    sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
-                              for c in components.values()]))
-    means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
-             if none < size}
-    return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
-                        zip(components, sums) if none > 0}}
 
 
 def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, eval_queries: torch.Tensor,
@@ -1868,190 +2050,6 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
         unwrapped.value_model.save_pretrained(value_path, state_dict=sub_state(state_dict, "value_model"))
     policy_saved = "the policy adapter" if args.use_peft else "the policy"
     console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
-
-
-def main(args: Args) -> None:
-    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
-    accelerator, setup = set_up(args)
-    models = load_models(args, accelerator, setup)
-    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
-    device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
-    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
-    console = Console()
-    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
-    torch.manual_seed(local_seed)
-    start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
-    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        accelerator.load_state(str(setup.checkpoint))
-        saved = setup.saved
-        start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
-            **saved["score_moments"])
-        if accelerator.is_main_process:
-            console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")
-    run_log = RunLog(args, accelerator, setup, start_update, console)
-    if accelerator.is_main_process:
-        print_banner(console, setup.run_name, args, sizes, {
-            "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
-            "value head": models.value_head,
-            **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
-            accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
-            banner_notes(setup))
-    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    checkpoints = setup.output_dir / "checkpoints"
-    start_time = time.time()
-    run_log.progress.start()
-    if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
-        run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
-    for update in range(start_update, sizes.num_updates + 1):
-        episode = update * sizes.batch_size
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate  # linear anneal, per update: N+ detail 29
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
-        batch_rows = setup.train_dataset[indices.tolist()]
-        queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
-        context_length = queries.size(1)
-        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
-        timer = time.perf_counter()
-        with torch.no_grad(), accelerator.autocast():
-            # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
-            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                   stop_token_id)
-            time_generation = time.perf_counter() - timer
-            query_responses = torch.cat((queries, responses), 1)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
-            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
-            response_ids = responses.masked_fill(responses == pad_token_id, 0)
-
-            # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
-            ref_logprobs, values, full_kl_per_token, policy_trunk, value_trunk = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id)
-            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
-            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
-            time_scoring = time.perf_counter() - timer - time_generation
-            contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
-            if args.missing_eos_penalty is not None:
-                scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
-            trained_scores = scale_scores(scores, score_moments, args, accelerator)
-
-            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
-            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            values = values.masked_fill(padding_mask_p1, 0)
-            kl = (full_kl_per_token.masked_fill(padding_mask, 0) if args.kl_estimator == "full" else
-                  kl_penalty(logprobs, ref_logprobs, args.kl_estimator))  # 0 at padding: both logprobs are 1.0
-            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
-            if args.whiten_rewards:
-                rewards = whiten_rewards(rewards, padding_mask_p1)
-
-            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
-            time_gae = time.perf_counter() - timer - time_generation - time_scoring
-
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
-        timer = time.perf_counter()
-        model.train()
-        stats = {k: torch.zeros(stats_shape, device=device) for k in ("policy/approxkl_avg", "policy/clipfrac_avg",
-                 "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "ratio")}
-        trained = torch.zeros(stats_shape, dtype=torch.bool, device=device)  # the minibatches that ran
-        optimizer_steps = skipped_minibatches = 0
-        stop_early = False
-        for ppo_epoch_idx in range(args.num_ppo_epochs):
-            if stop_early:
-                break
-            b_inds = np.random.permutation(sizes.local_batch_size)
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
-                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
-                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
-                if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
-                                     padding_mask, policy_trunk, pad_token_id):
-                    skipped_minibatches += 1
-                    continue
-                for micro_idx, mbi in enumerate(micro_batches):
-                    with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = model(
-                            query_responses[mbi], pad_token_id, context_length, response_ids[mbi], args.temperature,
-                            models.fused_head, trunk_rows(policy_trunk, mbi), trunk_rows(value_trunk, mbi))
-                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
-                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
-                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
-                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
-                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
-                                                          args.cliprange_value)
-                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL)
-                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
-                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
-                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
-                                                     f"good checkpoint is kept in {checkpoints}")
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            optimizer_steps += 1
-                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
-                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        with torch.no_grad():
-                            idx = (ppo_epoch_idx, minibatch_idx, micro_idx)
-                            for k, v in zip(stats, (approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac,
-                                                    masked_mean(entropy, ~padding_mask[mbi]), ratio_mean)):
-                                stats[k][idx] = v.detach()
-                            trained[idx] = True
-                    del new_logprobs, entropy, vpred, loss
-                # --target-kl: after every minibatch, on all processes together (classic TRL: once per epoch)
-                stop_early = args.target_kl is not None and bool(accelerator.reduce(
-                    stats["policy/approxkl_avg"][ppo_epoch_idx, minibatch_idx].mean(), "mean") > args.target_kl)
-                if stop_early:
-                    break
-        time_training = time.perf_counter() - timer
-
-        # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
-        with torch.no_grad():
-            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                                          trained_scores, contain_eos_token, sequence_lengths, score_components,
-                                          stats, trained)}
-        metrics.update({
-            "policy/optimizer_steps": optimizer_steps,
-            "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
-            "objective/kl_coef": kl_coef,  # the beta these rewards used
-            "time/generation": time_generation,  # seconds on rank 0: sampling
-            "time/scoring": time_scoring,  # reference, value and reward forwards
-            "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
-            "time/training": time_training,  # PPO epochs
-            "lr": lr,
-            "episode": episode,
-        })
-        if args.use_score_scaling or args.use_score_norm:
-            metrics["objective/score_running_mean"] = score_moments.mean
-            metrics["objective/score_running_std"] = score_moments.std
-        if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, model, args, setup, eval_queries, update, console))
-        if not all(math.isfinite(v) for v in metrics.values()):
-            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
-                                       sizes.batch_size)
-        run_log.log(update, metrics)
-
-        # 8. Save a resumable checkpoint every --save-every updates and after the last
-        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(
-                update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
-                **setup.run_state), args.save_total_limit)
-        run_log.progress.update(run_log.task, advance=1)
-        del (query_responses, responses, response_ids, policy_trunk, value_trunk, logprobs, ref_logprobs, values,
-             rewards, advantages, returns)
-    run_log.close()
-    save_models(accelerator, model, args, setup, console)
-    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

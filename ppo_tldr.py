@@ -1,6 +1,7 @@
 # PPO on Reddit TL;DR summarization, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al.,
 # 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD") in one file. Docs: README.md. It imports nothing from
-# ppo.py; "N+ detail k" is the README's numbered TL;DR list, and "TRL" marks a fix of TRL's PPOTrainer.
+# ppo.py; "N+ detail k" is the README's numbered TL;DR list, and "TRL" marks a fix of TRL's PPOTrainer. The order:
+# `Args`, the PPO math, `main`, then the plumbing it calls, which Python resolves when `main` runs.
 import copy
 import json
 import math
@@ -11,7 +12,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Annotated, Callable, Literal, NamedTuple, get_type_hints
 
 import numpy as np
 import torch
@@ -36,11 +37,11 @@ CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", 
 
 
 @dataclass
-class Args:
+class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low, high)"], checked by `check_args`
     # common args
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
-    seed: int = 1
+    seed: Annotated[int, "[0, 2147483647]"] = 1
     """seed of the experiment (python, numpy and torch; rank r uses seed + r * 100003)"""
     track: bool = False
     """if toggled, this experiment will be tracked with Weights and Biases"""
@@ -72,69 +73,69 @@ class Args:
     """the split of held-out posts to validate on (a single file is one split: give --eval-dataset-name instead)"""
     eval_dataset_name: str | None = None
     """the held-out posts, if not in --dataset-name: hub id, directory or file (--dataset-config is not applied)"""
-    max_query_length: int = 512
+    max_query_length: Annotated[int, "[1, inf)"] = 512
     """the query's token budget: the post is cut at its last newline until the query fits (N+ detail 2)"""
-    eval_samples: int | None = 256
+    eval_samples: Annotated[int | None, "[1, inf)"] = 256
     """validate on the first N held-out posts (None: all of them)"""
-    eval_every: int = 100
+    eval_every: Annotated[int, "[0, inf)"] = 100
     """validate every N updates, and always after the last one (0: only after the last)"""
 
     # batch sizes (see `batch_sizes`); the defaults are TRL's documented 8-GPU run, batch 512
-    total_episodes: int = 1_000_000
+    total_episodes: Annotated[int, "[1, inf)"] = 1_000_000
     """the total number of sampled responses to train on (the one budget knob)"""
-    per_device_train_batch_size: int = 16
+    per_device_train_batch_size: Annotated[int, "[1, inf)"] = 16
     """the micro-batch size per process: responses in one training forward/backward"""
-    gradient_accumulation_steps: int = 4
+    gradient_accumulation_steps: Annotated[int, "[1, inf)"] = 4
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: int = 1
+    num_mini_batches: Annotated[int, "[1, inf)"] = 1
     """minibatches (optimizer steps) per PPO epoch"""
-    num_ppo_epochs: int = 4
+    num_ppo_epochs: Annotated[int, "[1, inf)"] = 4
     """passes of PPO over each rollout batch"""
-    local_rollout_forward_batch_size: int = 16
+    local_rollout_forward_batch_size: Annotated[int, "[1, inf)"] = 16
     """per-process chunk size for generation, validation and the no-grad reference/value/reward forwards"""
 
     # generation
-    response_length: int = 53
+    response_length: Annotated[int, "[1, inf)"] = 53
     """the maximum number of generated tokens (53: the SFT length limit of the TL;DR references)"""
     stop_token: Literal["eos"] | None = "eos"
     """`eos`: stop at the eos token and truncate after it (N+ detail 21); None: always sample to --response-length"""
-    temperature: float = 0.7
+    temperature: Annotated[float, "(0, inf)"] = 0.7
     """the sampling temperature; the same temperature divides the logits in every forward (N+ detail 23)"""
     missing_eos_rule: Literal["replace", "subtract", "none"] = "replace"
     """a response without eos: `replace` its score (N+/SFD), `subtract` a penalty from it (TRL), or `none`"""
-    penalty_reward_value: float = -1.0
+    penalty_reward_value: Annotated[float, "(-inf, inf)"] = -1.0
     """the score a response without eos gets under --missing-eos-rule replace (N+ detail 22)"""
-    missing_eos_penalty: float = 1.0
+    missing_eos_penalty: Annotated[float, "[0, inf)"] = 1.0
     """subtracted from the score of a response without eos under --missing-eos-rule subtract (TRL's documented 1.0)"""
 
     # PPO
-    kl_coef: float = 0.05
+    kl_coef: Annotated[float, "[0, inf)"] = 0.05
     """the KL coefficient (beta) of the per-token KL penalty (N+ detail 24)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """k1: log(pi/pi_ref); k3: (r - 1) - log r with r = pi_ref/pi (unbiased, always >= 0)"""
-    cliprange: float = 0.2
+    cliprange: Annotated[float, "(0, inf)"] = 0.2
     """the policy-ratio clip range"""
-    vf_coef: float = 0.1
+    vf_coef: Annotated[float, "[0, inf)"] = 0.1
     """the value-loss coefficient"""
-    cliprange_value: float = 0.2
+    cliprange_value: Annotated[float, "(0, inf)"] = 0.2
     """the value clip range (absolute, around the rollout's values)"""
-    gamma: float = 1.0
+    gamma: Annotated[float, "[0, 1]"] = 1.0
     """the discount factor"""
-    lam: float = 0.95
+    lam: Annotated[float, "[0, 1]"] = 0.95
     """the GAE lambda"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE (off in the paper's runs, N+ detail 26)"""
 
     # optimizer
-    learning_rate: float = 3e-6
+    learning_rate: Annotated[float, "[0, inf)"] = 3e-6
     """the AdamW learning rate, annealed linearly to 0 over the updates (N+ details 10 and 29)"""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
     # checkpoints
-    save_every: int = 0
+    save_every: Annotated[int, "[0, inf)"] = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
-    save_total_limit: int | None = None
+    save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
     resume: str | None = None
     """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
@@ -144,45 +145,7 @@ class Args:
     """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
 
 
-# The valid interval of every numeric flag ("[" and "]" include the bound). A None that a flag allows is no value.
-FLAG_RANGES = {
-    "seed": "[0, 2147483647]", "max_query_length": "[1, inf)", "eval_samples": "[1, inf)", "eval_every": "[0, inf)",
-    "total_episodes": "[1, inf)", "per_device_train_batch_size": "[1, inf)", "gradient_accumulation_steps": "[1, inf)",
-    "num_mini_batches": "[1, inf)", "num_ppo_epochs": "[1, inf)", "local_rollout_forward_batch_size": "[1, inf)",
-    "response_length": "[1, inf)", "temperature": "(0, inf)", "penalty_reward_value": "(-inf, inf)",
-    "missing_eos_penalty": "[0, inf)", "kl_coef": "[0, inf)", "cliprange": "(0, inf)", "vf_coef": "[0, inf)",
-    "cliprange_value": "(0, inf)", "gamma": "[0, 1]", "lam": "[0, 1]", "learning_rate": "[0, inf)",
-    "max_grad_norm": "(0, inf)", "save_every": "[0, inf)", "save_total_limit": "[1, inf)",
-}
-
-
-def in_interval(value: float, interval: str) -> bool:
-    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
-    low, high = (float(bound) for bound in interval[1:-1].split(","))
-    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
-                                                                       value < high)
-
-
-# differs from ppo.py: the TL;DR script's own flags
-def check_args(args: Args) -> None:
-    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    for name, interval in FLAG_RANGES.items():
-        value = getattr(args, name)
-        if value is not None and not in_interval(value, interval):
-            raise ValueError(f"--{name.replace('_', '-')} {value} is out of range: it must lie in {interval}")
-    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
-                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
-                                 ("--stop-token", args.stop_token, ("eos", None))):
-        if value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
-    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
-        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
-                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    if args.whiten_rewards and local_batch_size < 8:
-        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
-
-
+# ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
 class BatchSizes(NamedTuple):
     world_size: int
     local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
@@ -205,6 +168,16 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
     batch_size = local_batch_size * world_size
     return BatchSizes(world_size, local_mini_batch_size, local_batch_size, local_mini_batch_size * world_size,
                       batch_size, math.ceil(total_episodes / batch_size))
+
+
+# Plumbing: data order, checkpoints, logging
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
+    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
+    a pure function of its arguments, so a resumed run continues the exact data order."""
+    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+    start = batch * sizes.batch_size + rank * sizes.local_batch_size
+    return permutation[start:start + sizes.local_batch_size]
 
 
 # PPO math: the same as ppo.py's (tests/test_math.py checks those against naive float64 loops, test_tldr.py the copies)
@@ -353,6 +326,326 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
+# ---- main: the PPO loop, phase by phase; the plumbing it calls follows it, section by section ------------------------
+def main(args: Args) -> None:
+    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    setup = set_up(args)
+    model, optimizer, ref_policy, reward_model = load_models(args, setup)
+    accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
+    device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
+    zero3, console = setup.zero_stage == 3, Console()
+    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
+    local_seed = args.seed + accelerator.process_index * 100003
+    random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
+    torch.manual_seed(local_seed)
+    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        accelerator.load_state(str(setup.checkpoint))
+        if accelerator.is_main_process:
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {setup.start_update}")
+    run_log = RunLog(args, setup, console)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        print_banner(console, setup.run_name, args, sizes, {
+            "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
+            "reward model": reward_model}, setup.zero_stage,
+            [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
+             f"{score_bias(unwrapped.value_model.config):.4g}"])
+    chunk = args.local_rollout_forward_batch_size
+    held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
+    checkpoints = setup.output_dir / "checkpoints"
+    start_update, start_time = setup.start_update, time.time()
+    run_log.progress.start()
+    for update in range(start_update, sizes.num_updates + 1):
+        # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
+        episode = update * sizes.batch_size
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
+        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
+        context_length = queries.size(1)
+        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        timer = time.perf_counter()
+        with torch.no_grad(), accelerator.autocast():
+            # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
+            responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
+                                                   setup.stop_token_id)
+            time_generation = time.perf_counter() - timer
+            query_responses = torch.cat((queries, responses), 1)
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
+            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
+            response_ids = responses.masked_fill(responses == pad_token_id, 0)
+
+            # 3. Scoring forwards: reference log-probs, values and the reward model's scores
+            ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
+                                                        query_responses, response_ids, context_length, args,
+                                                        pad_token_id)
+            scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
+            time_scoring = time.perf_counter() - timer - time_generation
+
+            # 4. Rewards: the missing-eos rule (N+ detail 22), then the per-token KL penalty plus the score one past the
+            #    last token (be very careful with padding_mask_p1: N+ detail 25)
+            contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
+            scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
+                                            args.penalty_reward_value, args.missing_eos_penalty)
+            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+            values = values.masked_fill(padding_mask_p1, 0)
+            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
+            rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
+            if args.whiten_rewards:  # N+ detail 26
+                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+
+            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
+            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+
+        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps
+        #    micro-batches each
+        timer = time.perf_counter()
+        model.train()
+        step_stats = []  # by name, one dict per micro-batch
+        optimizer_steps = 0
+        for ppo_epoch_idx in range(args.num_ppo_epochs):
+            b_inds = np.random.permutation(sizes.local_batch_size)
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
+                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                for mbi in micro_batches:
+                    with accelerator.accumulate(model):
+                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
+                        logits = scale_logits(logits, args.temperature, pad_token_id)
+                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
+                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
+                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
+                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
+                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
+                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
+                                                          args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
+                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
+                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
+                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
+                                                     f"good checkpoint is kept in {checkpoints}")
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            optimizer_steps += 1
+                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        with torch.no_grad():
+                            step_stats.append({k: v.detach() for k, v in {
+                                "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                                "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                                "policy/entropy_avg": masked_mean(entropy_from_logits(logits), ~padding_mask[mbi]),
+                                "ratio": ratio_mean}.items()})
+                    del logits, vpred, loss
+        time_training = time.perf_counter() - timer
+
+        # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
+        with torch.no_grad():
+            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
+                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                                          contain_eos_token, sequence_lengths, step_stats)}
+        metrics.update({
+            "policy/optimizer_steps": optimizer_steps,
+            "time/generation": time_generation,  # seconds on rank 0: sampling
+            "time/scoring": time_scoring,  # reference, value and reward forwards
+            "time/training": time_training,  # PPO epochs
+            "lr": lr,
+            "episode": episode,
+        })
+
+        # 8. Validation every eval_every updates and after the last one (N+ detail 30)
+        if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
+            metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
+
+        # 9. Logging, checkpoint
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        run_log.log(update, metrics)
+        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
+                            args.save_total_limit)
+        run_log.progress.update(run_log.task, advance=1)
+        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
+    run_log.close()
+
+    # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
+    #     process that exits while gloo/NCCL threads still run can abort)
+    save_models(accelerator, model, setup.output_dir, console)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+# ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
+# differs from ppo.py: no reward components, score scaling or skipped minibatches
+def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
+                     contain_eos_token, sequence_lengths, step_stats: list[dict]) -> dict:
+    """The update's metrics by name (TRL's): each a per-process scalar in `local` (a new metric is one line there),
+    averaged over processes in one gather; statistics count real tokens only."""
+    real, n = (~padding_mask).float(), accelerator.num_processes
+    local = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean(),
+        "objective/scores": scores.mean(),  # after the missing-eos rule, as TRL
+        # responses ending in eos, over all processes: the mean of n x each process's count
+        "val/num_eos_tokens": n * contain_eos_token.sum().float(),
+        "val/response_length": (sequence_lengths + 1).float().mean(),
+        # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
+        **{k: torch.stack([s[k] for s in step_stats]).mean() for k in step_stats[0] if k != "ratio"},
+    }
+    metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
+    ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats]))
+    # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
+    return {**metrics, "val/ratio": ratios.mean().item(),
+            "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0}
+
+
+# ---- Set-up: every check before any model loads ----------------------------------------------------------------------
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
+                                                                       value < high)
+
+
+def flag_intervals() -> dict[str, str]:
+    """Each numeric flag's valid interval, written beside it in `Args` as Annotated[type, "[low, high)"] ("[" and "]"
+    include the bound; a None that a flag allows is no value)."""
+    return {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()
+            if hasattr(hint, "__metadata__")}
+
+
+# differs from ppo.py: the TL;DR script's own flags
+def check_args(args: Args) -> None:
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    for name, interval in flag_intervals().items():
+        value = getattr(args, name)
+        if value is not None and not in_interval(value, interval):
+            raise ValueError(f"--{name.replace('_', '-')} {value} is out of range: it must lie in {interval}")
+    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
+                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
+                                 ("--stop-token", args.stop_token, ("eos", None))):
+        if value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
+    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
+        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
+                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.whiten_rewards and local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
+
+
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
+
+
+# Set-up, the update's steps and validation, called from main
+@dataclass
+class Setup:
+    """What `set_up` resolved and checked before any model loads (differs from ppo.py: TL;DR's fields)."""
+    accelerator: Accelerator
+    sizes: BatchSizes
+    zero_stage: int
+    run_name: str
+    output_dir: Path
+    checkpoint: Path | None
+    run_state: dict
+    start_update: int
+    tokenizer: object
+    stop_token_id: int | None
+    train_dataset: Dataset
+    eval_dataset: Dataset
+
+
+# differs from ppo.py: TL;DR's data, one tokenizer, no rewards to resolve
+def set_up(args: Args) -> Setup:
+    """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
+    check_args(args)
+    # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
+    ds_plugin = accelerator.state.deepspeed_plugin
+    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
+            "auto", args.gradient_accumulation_steps):
+        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
+                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
+                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
+                         "the config and set the flag")
+    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+    if zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
+                        accelerator.num_processes, args.total_episodes)
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
+    time_int = int(time.time())
+    if accelerator.num_processes > 1:  # the same run name on every rank
+        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
+    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
+    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
+    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
+    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
+                                              trust_remote_code=args.trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
+                         "in eos, where the reward model reads its score")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # N+ detail 6: else the eos would be masked as padding
+    train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
+    eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
+                                   None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
+                                   "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
+    if len(train_dataset) < sizes.batch_size:
+        raise ValueError(f"{args.dataset_name} has {len(train_dataset)} posts in {args.dataset_train_split!r}: too few "
+                         f"for one rollout batch of {sizes.batch_size}")
+    if args.eval_samples is not None:
+        eval_dataset = eval_dataset.select(range(min(args.eval_samples, len(eval_dataset))))
+    if len(eval_dataset) < accelerator.num_processes:
+        raise ValueError(f"{len(eval_dataset)} held-out posts cannot be shared by {accelerator.num_processes} "
+                         "processes: raise --eval-samples")
+    tokenize = dict(function=tokenize_tldr, batched=True,
+                    fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
+    with accelerator.local_main_process_first():  # the other processes read the first one's cache
+        train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
+        train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
+        eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset))
+    start_update = 1
+    if checkpoint is not None:  # the checkpoint's run must have had the same settings
+        saved = json.loads((checkpoint / "trainer_state.json").read_text())
+        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
+        if changed:
+            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
+                             "with the original flags, or the data order and learning rate would not continue")
+        start_update = saved["update"] + 1
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+    return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
+                 stop_token_id, train_dataset, eval_dataset)
+
+
+# ---- TL;DR queries (N+ details 1-4) ----------------------------------------------------------------------------------
 # TL;DR data: queries, references, loading (tests/test_tldr.py checks each)
 def format_query(subreddit: str, title: str, post: str) -> str:
     return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
@@ -429,20 +722,7 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     return ds
 
 
-# Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
-# embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-        for name in ("rank_dropout", "module_dropout"):
-            if isinstance(getattr(module, name, None), dict):
-                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
-
-
+# ---- Model forwards --------------------------------------------------------------------------------------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -547,6 +827,27 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
         yield policy, zero3
 
 
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+# ---- Loading the models: dropout off, DeepSpeed ----------------------------------------------------------------------
+# Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
+# embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+        for name in ("rank_dropout", "module_dropout"):
+            if isinstance(getattr(module, name, None), dict):
+                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
+
+
 def gathered_for_init(params):
     """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
     params = list(params)
@@ -568,39 +869,167 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
-    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    archs = config.architectures or []
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    if require_head and not is_classifier:
-        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
-                         "(AutoModelForSequenceClassification with num_labels=1)")
-    if is_classifier and config.num_labels != 1:
-        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
+# differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
+def load_models(args: Args, setup: Setup):
+    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
+    separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
+    accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
+    value_model_path = args.value_model_path or args.reward_model_path
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
+    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
+    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
+    longest = max(args.response_length, max(len(ids) for ids in setup.eval_dataset["reference_ids"]))
+    if max_positions is not None and args.max_query_length + longest > max_positions:
+        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
+                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
+                         "--max-query-length or --response-length")
+    kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+        value_model_path, num_labels=1, output_loading_info=True, **kwargs)
+    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
+        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+            for p in value_model.score.parameters():
+                nn.init.zeros_(p)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
+    for m in (policy, ref_policy, value_model, reward_model):
+        disable_dropout(m)  # N+ detail 7
+    for m in (ref_policy, reward_model):
+        m.eval().requires_grad_(False).to(accelerator.device)
+    model = PolicyAndValueWrapper(policy, value_model)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
+        for m in (ref_policy, reward_model):
+            shard_frozen(m, accelerator.deepspeed_config)
+    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
+        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
+        for m in (ref_policy, reward_model):
+            m.to(dtype)
+    return model, optimizer, ref_policy, reward_model
 
 
-# Plumbing: data order, checkpoints, logging
-def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
-    a pure function of its arguments, so a resumed run continues the exact data order."""
-    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
-    permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-    start = batch * sizes.batch_size + rank * sizes.local_batch_size
-    return permutation[start:start + sizes.local_batch_size]
+# ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs
 
 
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+# differs from ppo.py: one reward model, on the policy's token ids
+def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    chunk: int) -> torch.Tensor:
+    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
+                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
 
 
+# differs from ppo.py: whole models, no frozen trunks, no full KL
+def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
+    """The reference's log-probs and the values of a rollout, in chunks."""
+    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
+    for i in range(0, query_responses.size(0), chunk):
+        qr = query_responses[i:i + chunk]
+        ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length), args.temperature,
+                                  pad_token_id)
+        ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
+        del ref_logits
+        values.append(value_forward(value_model, qr, pad_token_id, context_length))
+    return torch.cat(ref_logprobs), torch.cat(values)
+
+
+# ---- Held-out evaluation ---------------------------------------------------------------------------------------------
+class HeldOut(NamedTuple):
+    indices: list[int]  # this process's posts
+    queries: torch.Tensor
+    query_texts: list[str]
+    references: list[str]
+    reference_score: float  # the mean over all posts
+
+
+def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
+                   chunk: int) -> HeldOut:
+    """Every world_size-th held-out post, the last wrapping around to the first (under ZeRO-3 every forward needs
+    every process); the references scored once, as responses are."""
+    n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
+    indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
+    rows = eval_dataset.select(indices)
+    queries = left_pad(rows["input_ids"], pad_token_id).to(accelerator.device)
+    references = pad_right([torch.tensor([ids]) for ids in rows["reference_ids"]], pad_token_id).to(accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        reference_scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
+    all_reference_scores = dict(gather_object(list(zip(indices, reference_scores.tolist()))))
+    return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
+                   sum(all_reference_scores.values()) / len(all_reference_scores))
+
+
+# differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
+def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
+             console: Console) -> dict:
+    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
+    eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
+    accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
+    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
+    eval_args = replace(args, temperature=EVAL_TEMPERATURE)
+    with torch.no_grad(), accelerator.autocast():
+        responses, _ = sample_responses(accelerator, model, held_out.queries, eval_args, setup.zero_stage == 3,
+                                        pad_token_id, setup.stop_token_id, generator)
+        scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
+                                 args.local_rollout_forward_batch_size)
+    columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
+    rows = gather_object([(index, {"query": query, "reference": reference,
+                                   "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
+                                   "score": score}) for index, query, reference, r, score in columns])
+    rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
+    if accelerator.is_main_process:
+        (setup.output_dir / "eval").mkdir(exist_ok=True)
+        write_atomic(setup.output_dir / "eval" / f"update-{update:06d}.jsonl",
+                     "".join(json.dumps(row) + "\n" for row in rows))
+        print_eval_table(console, rows[:3], f"validation after update {update}")
+        if args.track:
+            import wandb
+
+            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                      step=update)
+    return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
+            "objective/reference_score": held_out.reference_score}
+
+
+def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
+    """The first validation rows on the console (the query shortened to its start: the eval table file has it all)."""
+    table = Table(title=title, show_lines=True)
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
+        table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
+    console.print(table)
+
+
+# ---- Checkpoints and logs --------------------------------------------------------------------------------------------
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def keep_rows_before(path: Path, start_update: int) -> None:
+    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
+    if path.exists():
+        rows = path.read_text().splitlines()
+        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
@@ -666,157 +1095,6 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
     console.print(table)
 
 
-def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
-    """The first validation rows on the console (the query shortened to its start: the eval table file has it all)."""
-    table = Table(title=title, show_lines=True)
-    for column in rows[0]:
-        table.add_column(column)
-    for row in rows:
-        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
-        table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
-    console.print(table)
-
-
-# Set-up, the update's steps and validation, called from main
-@dataclass
-class Setup:
-    """What `set_up` resolved and checked before any model loads (differs from ppo.py: TL;DR's fields)."""
-    accelerator: Accelerator
-    sizes: BatchSizes
-    zero_stage: int
-    run_name: str
-    output_dir: Path
-    checkpoint: Path | None
-    run_state: dict
-    start_update: int
-    tokenizer: object
-    stop_token_id: int | None
-    train_dataset: Dataset
-    eval_dataset: Dataset
-
-# differs from ppo.py: TL;DR's data, one tokenizer, no rewards to resolve
-def set_up(args: Args) -> Setup:
-    """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
-    check_args(args)
-    # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
-    ds_plugin = accelerator.state.deepspeed_plugin
-    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
-    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
-            "auto", args.gradient_accumulation_steps):
-        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
-                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
-                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
-                         "the config and set the flag")
-    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
-    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    if zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
-        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
-                        accelerator.num_processes, args.total_episodes)
-    output_dir = Path(args.output_dir) if args.output_dir else None
-    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
-    time_int = int(time.time())
-    if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
-    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
-                                              trust_remote_code=args.trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{args.sft_model_path}: the tokenizer has no eos token; TL;DR responses and references end "
-                         "in eos, where the reward model reads its score")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # N+ detail 6: else the eos would be masked as padding
-    train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
-    eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
-                                   None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
-                                   "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
-    if len(train_dataset) < sizes.batch_size:
-        raise ValueError(f"{args.dataset_name} has {len(train_dataset)} posts in {args.dataset_train_split!r}: too few "
-                         f"for one rollout batch of {sizes.batch_size}")
-    if args.eval_samples is not None:
-        eval_dataset = eval_dataset.select(range(min(args.eval_samples, len(eval_dataset))))
-    if len(eval_dataset) < accelerator.num_processes:
-        raise ValueError(f"{len(eval_dataset)} held-out posts cannot be shared by {accelerator.num_processes} "
-                         "processes: raise --eval-samples")
-    tokenize = dict(function=tokenize_tldr, batched=True,
-                    fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
-    with accelerator.local_main_process_first():  # the other processes read the first one's cache
-        train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
-        train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
-        eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
-    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
-    start_update = 1
-    if checkpoint is not None:  # the checkpoint's run must have had the same settings
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
-        if changed:
-            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags, or the data order and learning rate would not continue")
-        start_update = saved["update"] + 1
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
-                 stop_token_id, train_dataset, eval_dataset)
-
-
-# differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
-def load_models(args: Args, setup: Setup):
-    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
-    separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
-    accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
-    value_model_path = args.value_model_path or args.reward_model_path
-    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
-    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
-    longest = max(args.response_length, max(len(ids) for ids in setup.eval_dataset["reference_ids"]))
-    if max_positions is not None and args.max_query_length + longest > max_positions:
-        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
-                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
-                         "--max-query-length or --response-length")
-    kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
-    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **kwargs)
-    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
-        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
-            for p in value_model.score.parameters():
-                nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
-    for m in (policy, ref_policy, value_model, reward_model):
-        disable_dropout(m)  # N+ detail 7
-    for m in (ref_policy, reward_model):
-        m.eval().requires_grad_(False).to(accelerator.device)
-    model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0, fused=True)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
-        for m in (ref_policy, reward_model):
-            shard_frozen(m, accelerator.deepspeed_config)
-    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
-        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
-        for m in (ref_policy, reward_model):
-            m.to(dtype)
-    return model, optimizer, ref_policy, reward_model
-
-
-def keep_rows_before(path: Path, start_update: int) -> None:
-    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
-    if path.exists():
-        rows = path.read_text().splitlines()
-        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
-
-
 # differs from ppo.py: the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)
 class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
@@ -869,129 +1147,6 @@ class RunLog:
                 wandb.finish()
 
 
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses cut after the stop token, log-probs), sampled in chunks."""
-    chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    if stop_token_id is not None:
-        responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs
-
-
-# differs from ppo.py: one reward model, on the policy's token ids
-def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    chunk: int) -> torch.Tensor:
-    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
-                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
-
-
-# differs from ppo.py: whole models, no frozen trunks, no full KL
-def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
-    """The reference's log-probs and the values of a rollout, in chunks."""
-    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
-    for i in range(0, query_responses.size(0), chunk):
-        qr = query_responses[i:i + chunk]
-        ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length), args.temperature,
-                                  pad_token_id)
-        ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
-        del ref_logits
-        values.append(value_forward(value_model, qr, pad_token_id, context_length))
-    return torch.cat(ref_logprobs), torch.cat(values)
-
-
-STAT_METRICS = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "pg_loss": "loss/policy_avg",
-                "vf_loss": "loss/value_avg", "vf_clipfrac": "val/clipfrac_avg", "entropy": "policy/entropy_avg"}
-
-
-# differs from ppo.py: no reward components, score scaling or skipped minibatches
-def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                     contain_eos_token, sequence_lengths, stats: dict) -> dict:
-    """The update's metrics (TRL's names) averaged over processes, over real tokens only."""
-    real = (~padding_mask).float()
-    local = torch.stack([
-        kl.sum(1).mean(), (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-        non_score_reward.sum(1).mean(), scores.mean(), contain_eos_token.sum().float(),
-        (sequence_lengths + 1).float().mean(),
-    ])
-    gathered = accelerator.gather(local.unsqueeze(0))
-    ratio_all = accelerator.gather(stats["ratio"].unsqueeze(0))
-    mean_kl, mean_entropy, mean_nsr, mean_scores, _, mean_len = gathered.mean(0).tolist()
-    return {
-        "objective/kl": mean_kl,
-        "objective/entropy": mean_entropy,
-        "objective/non_score_reward": mean_nsr,
-        "objective/rlhf_reward": mean_nsr + mean_scores,
-        "objective/scores": mean_scores,  # after the missing-eos rule, as TRL
-        **{name: accelerator.gather(stats[k].unsqueeze(0)).mean().item() for k, name in STAT_METRICS.items()},
-        "val/ratio": ratio_all.mean().item(),
-        # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
-        "val/ratio_var": ratio_all.var().item() if ratio_all.numel() > 1 else 0.0,
-        "val/num_eos_tokens": gathered[:, 4].sum().item(),  # responses ending in eos, over all ranks
-        "val/response_length": mean_len,
-    }
-
-
-class HeldOut(NamedTuple):
-    indices: list[int]  # this process's posts
-    queries: torch.Tensor
-    query_texts: list[str]
-    references: list[str]
-    reference_score: float  # the mean over all posts
-
-
-def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
-                   chunk: int) -> HeldOut:
-    """Every world_size-th held-out post, the last wrapping around to the first (under ZeRO-3 every forward needs
-    every process); the references scored once, as responses are."""
-    n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
-    indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
-    rows = eval_dataset.select(indices)
-    queries = left_pad(rows["input_ids"], pad_token_id).to(accelerator.device)
-    references = pad_right([torch.tensor([ids]) for ids in rows["reference_ids"]], pad_token_id).to(accelerator.device)
-    with torch.no_grad(), accelerator.autocast():
-        reference_scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
-    all_reference_scores = dict(gather_object(list(zip(indices, reference_scores.tolist()))))
-    return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
-                   sum(all_reference_scores.values()) / len(all_reference_scores))
-
-
-# differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
-def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
-             console: Console) -> dict:
-    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
-    eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
-    accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
-    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
-    eval_args = replace(args, temperature=EVAL_TEMPERATURE)
-    with torch.no_grad(), accelerator.autocast():
-        responses, _ = sample_responses(accelerator, model, held_out.queries, eval_args, setup.zero_stage == 3,
-                                        pad_token_id, setup.stop_token_id, generator)
-        scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
-                                 args.local_rollout_forward_batch_size)
-    columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
-    rows = gather_object([(index, {"query": query, "reference": reference,
-                                   "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
-                                   "score": score}) for index, query, reference, r, score in columns])
-    rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
-    if accelerator.is_main_process:
-        (setup.output_dir / "eval").mkdir(exist_ok=True)
-        write_atomic(setup.output_dir / "eval" / f"update-{update:06d}.jsonl",
-                     "".join(json.dumps(row) + "\n" for row in rows))
-        print_eval_table(console, rows[:3], f"validation after update {update}")
-        if args.track:
-            import wandb
-
-            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                      step=update)
-    return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
-            "objective/reference_score": held_out.reference_score}
-
-
 def sub_state(state_dict: dict, name: str) -> dict:
     """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
     return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
@@ -1009,161 +1164,6 @@ def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, co
         unwrapped.value_model.save_pretrained(output_dir / "value_model",
                                               state_dict=sub_state(state_dict, "value_model"))
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
-
-
-def main(args: Args) -> None:
-    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
-    setup = set_up(args)
-    model, optimizer, ref_policy, reward_model = load_models(args, setup)
-    accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
-    device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
-    zero3, console = setup.zero_stage == 3, Console()
-    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
-    torch.manual_seed(local_seed)
-    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        accelerator.load_state(str(setup.checkpoint))
-        if accelerator.is_main_process:
-            console.print(f"resumed from {setup.checkpoint}: continuing at update {setup.start_update}")
-    run_log = RunLog(args, setup, console)
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        print_banner(console, setup.run_name, args, sizes, {
-            "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
-            "reward model": reward_model}, setup.zero_stage,
-            [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
-             f"{score_bias(unwrapped.value_model.config):.4g}"])
-    chunk = args.local_rollout_forward_batch_size
-    held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
-    stats_shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
-    checkpoints = setup.output_dir / "checkpoints"
-    start_update, start_time = setup.start_update, time.time()
-    run_log.progress.start()
-    for update in range(start_update, sizes.num_updates + 1):
-        # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
-        episode = update * sizes.batch_size
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
-        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
-        context_length = queries.size(1)
-        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
-        timer = time.perf_counter()
-        with torch.no_grad(), accelerator.autocast():
-            # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
-            responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
-                                                   setup.stop_token_id)
-            time_generation = time.perf_counter() - timer
-            query_responses = torch.cat((queries, responses), 1)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
-            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
-            response_ids = responses.masked_fill(responses == pad_token_id, 0)
-
-            # 3. Scoring forwards: reference log-probs, values and the reward model's scores
-            ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
-                                                        query_responses, response_ids, context_length, args,
-                                                        pad_token_id)
-            scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
-            time_scoring = time.perf_counter() - timer - time_generation
-
-            # 4. Rewards: the missing-eos rule (N+ detail 22), then the per-token KL penalty plus the score one past the
-            #    last token (be very careful with padding_mask_p1: N+ detail 25)
-            contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
-            scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
-                                            args.penalty_reward_value, args.missing_eos_penalty)
-            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
-            logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-            values = values.masked_fill(padding_mask_p1, 0)
-            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
-            rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
-            if args.whiten_rewards:  # N+ detail 26
-                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
-
-            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
-
-        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps
-        #    micro-batches each
-        timer = time.perf_counter()
-        model.train()
-        stats = {k: torch.zeros(stats_shape, device=device) for k in [*STAT_METRICS, "ratio"]}
-        optimizer_steps = 0
-        for ppo_epoch_idx in range(args.num_ppo_epochs):
-            b_inds = np.random.permutation(sizes.local_batch_size)
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
-                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
-                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
-                for micro_idx, mbi in enumerate(micro_batches):
-                    with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
-                        logits = scale_logits(logits, args.temperature, pad_token_id)
-                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
-                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
-                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
-                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
-                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
-                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
-                                                          args.cliprange_value)
-                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
-                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
-                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
-                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
-                                                     f"good checkpoint is kept in {checkpoints}")
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            optimizer_steps += 1
-                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
-                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        with torch.no_grad():
-                            entropy = masked_mean(entropy_from_logits(logits), ~padding_mask[mbi])
-                            for k, v in zip(stats, (approxkl, pg_clipfrac, pg_loss, vf_loss, vf_clipfrac, entropy,
-                                                    ratio_mean)):
-                                stats[k][ppo_epoch_idx, minibatch_idx, micro_idx] = v.detach()
-                    del logits, vpred, loss
-        time_training = time.perf_counter() - timer
-
-        # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
-        with torch.no_grad():
-            metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                                          contain_eos_token, sequence_lengths, stats)}
-        metrics.update({
-            "policy/optimizer_steps": optimizer_steps,
-            "time/generation": time_generation,  # seconds on rank 0: sampling
-            "time/scoring": time_scoring,  # reference, value and reward forwards
-            "time/training": time_training,  # PPO epochs
-            "lr": lr,
-            "episode": episode,
-        })
-
-        # 8. Validation every eval_every updates and after the last one (N+ detail 30)
-        if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
-
-        # 9. Logging, checkpoint
-        if not all(math.isfinite(v) for v in metrics.values()):
-            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        run_log.log(update, metrics)
-        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
-                            args.save_total_limit)
-        run_log.progress.update(run_log.task, advance=1)
-        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
-    run_log.close()
-
-    # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
-    #     process that exits while gloo/NCCL threads still run can abort)
-    save_models(accelerator, model, setup.output_dir, console)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

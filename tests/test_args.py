@@ -8,7 +8,7 @@ import pytest
 import ppo
 import ppo_tldr
 
-# one bad value per numeric flag, written from the flags' meaning (not from FLAG_RANGES)
+# one bad value per numeric flag, written from the flags' meaning (not from the intervals in Args)
 BAD = {
     "common": {
         "seed": -1, "total_episodes": 0, "per_device_train_batch_size": 0, "gradient_accumulation_steps": 0,
@@ -20,7 +20,7 @@ BAD = {
     ppo: {
         "eval_samples": -1, "stop_token_id": -1, "kl_target": 0.0, "kl_horizon": 0.0, "target_kl": 0.0,
         "ratio_threshold": 0.0, "score_clip": -1.0, "num_trainable_layers": 0, "lora_r": 0, "lora_alpha": 0,
-        "lora_dropout": 1.0, "eval_every": -1, "reward_weights": (1.0, math.nan),
+        "lora_dropout": 1.0, "eval_every": -1, "reward_weights": (1.0, math.nan), "ent_coef": -0.1,
     },
     ppo_tldr: {
         "max_query_length": 0, "eval_samples": 0, "eval_every": -1, "penalty_reward_value": math.inf,
@@ -49,7 +49,7 @@ def bad_values(module) -> dict:
 @pytest.mark.parametrize("module", [ppo, ppo_tldr], ids=["ppo", "ppo_tldr"])
 def test_every_numeric_flag_has_a_range(module):
     assert set(bad_values(module)) == numeric_fields(module)
-    assert set(module.FLAG_RANGES) == numeric_fields(module)
+    assert set(module.flag_intervals()) == numeric_fields(module)
     module.check_args(module.Args())  # the defaults are valid
     for name, value in GOOD.items():
         module.check_args(dataclasses.replace(module.Args(), **{name: value}))
@@ -64,7 +64,7 @@ def test_a_bad_value_is_refused_by_name(module, name):
         module.check_args(dataclasses.replace(module.Args(), **{name: value}))
     message = str(error.value)
     assert message.startswith(f"--{name.replace('_', '-')} {shown} is out of range"), message
-    assert message.endswith(module.FLAG_RANGES[name]), message
+    assert message.endswith(module.flag_intervals()[name]), message
 
 
 @pytest.mark.parametrize("value, interval, inside", [

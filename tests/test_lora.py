@@ -81,13 +81,15 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
             ppo.enable_gradient_checkpointing(policy)
         model = ppo.PolicyAndValueWrapper(policy, value_head=head).train()  # PPO's training forwards: train mode
         qr = ppo.left_pad(QR, PAD)
-        trunk = (ppo.frozen_trunk(policy, qr, PAD, 1).detach(), 1) if split else None
+        fast = ppo.FastPaths(True, {"policy": 1} if split else {})  # the fused head, as in training
+        with torch.no_grad():
+            fast = fast.with_trunks({"policy": policy}, qr, PAD)
         calls = []
         # count runs of the top block's MLP forward itself: module hooks do not fire in the recomputation
         mlp = ppo.transformer_blocks(policy)[1][1].mlp
         mlp.forward = lambda *a, forward=mlp.forward, **k: (calls.append(1), forward(*a, **k))[1]
         ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
-        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, True, trunk)  # the fused head, as in training
+        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, fast)
         loss = logprobs.mean() + values.square().mean()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -111,9 +113,11 @@ def test_shared_value_head_reads_the_final_hidden_state_before_each_response_tok
     ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
     with torch.no_grad():
         values = ppo.value_forward(policy, qr, PAD, 2, head=head)
-        *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7, True)
+        *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7,
+                                                                                          ppo.FastPaths(True))
         torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
-        for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)):
+        for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, ppo.FastPaths(True),
+                                                             with_entropy=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
         for row, tokens in enumerate(QR):
             hidden = policy.model(torch.tensor([tokens])).last_hidden_state[0]

@@ -348,18 +348,21 @@ def test_head_logprobs(n, hidden, vocab, pad, chunk, temperature):
 
 
 @pytest.mark.parametrize("n, hidden, vocab, pad, chunk", HEAD_CASES)
-def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk):
-    """Gradients of sum_i c_i logprob_i against a loop: d logprob_i / d logit_ij = (1[j = token_i] - p_ij) / T, zero in
-    the pad column (its logit is a constant), chained through logit_ij = h_i . w_j."""
+@pytest.mark.parametrize("uses", ["logprobs", "entropy", "both"])
+def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk, uses):
+    """Gradients of sum_i c_i logprob_i + e_i entropy_i against a loop: d logprob_i / d logit_ij = (1[j = token_i] -
+    p_ij) / T and d entropy_i / d logit_ij = -p_ij (log p_ij + entropy_i) / T, zero in the pad column (its logit is a
+    constant), chained through logit_ij = h_i . w_j. A loss may use either output alone (an entropy bonus, #28)."""
     temperature = 0.7
     h = randn((n, hidden), seed=n + 1).requires_grad_()
     w = randn((vocab, hidden), seed=vocab + 1).requires_grad_()
     tokens = torch.randint(0, vocab, (n,), generator=gen(hidden + 1))
     tokens[tokens == pad] = (pad + 1) % vocab
-    c = randn((n,), seed=3)
+    c = randn((n,), seed=3) * (uses != "entropy")
+    e = randn((n,), seed=4) * (uses != "logprobs")
     lp, ent = ppo.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
-    assert not ent.requires_grad
-    (lp * c).sum().backward()
+    assert lp.requires_grad and ent.requires_grad
+    {"logprobs": (lp * c).sum(), "entropy": (ent * e).sum(), "both": (lp * c).sum() + (ent * e).sum()}[uses].backward()
     W, H = rows(w.detach()), rows(h.detach())
     grad_h = [[0.0] * hidden for _ in range(n)]
     grad_w = [[0.0] * hidden for _ in range(vocab)]
@@ -368,10 +371,13 @@ def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk):
         finite = [x for x in logits if x > -math.inf]
         m = max(finite)
         log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+        entropy = -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
         for j in range(vocab):
             if j == pad:
                 continue
-            d = c[i].item() * ((1.0 if j == tokens[i].item() else 0.0) - math.exp(logits[j] - log_z))
+            p = math.exp(logits[j] - log_z)
+            d = c[i].item() * ((1.0 if j == tokens[i].item() else 0.0) - p)
+            d += e[i].item() * -p * (logits[j] - log_z + entropy)
             d /= temperature + 1e-7
             for k in range(hidden):
                 grad_h[i][k] += d * W[j][k]

@@ -338,9 +338,13 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
     with torch.no_grad():
         for model, forward in ((policy, ppo.policy_logits), (value, ppo.value_forward)):
             assert ppo.split_forward_is_exact(model, qr, PAD, 1)
-            trunk = (ppo.frozen_trunk(model, qr, PAD, 1), 1)
-            torch.testing.assert_close(forward(model, qr, PAD, 2, trunk), forward(model, qr, PAD, 2), rtol=1e-5,
+            fast = ppo.FastPaths(num_frozen={"policy": 1, "value": 1}).with_trunks({"policy": model, "value": model},
+                                                                                   qr, PAD)
+            torch.testing.assert_close(forward(model, qr, PAD, 2, fast), forward(model, qr, PAD, 2), rtol=1e-5,
                                        atol=1e-6)
+            rows = torch.tensor([2, 0])  # a micro-batch reads its rows of the cached trunk
+            torch.testing.assert_close(forward(model, qr[rows], PAD, 2, fast.rows(rows)),
+                                       forward(model, qr[rows], PAD, 2), rtol=1e-5, atol=1e-6)
         assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
 
 
@@ -373,7 +377,7 @@ def test_split_forward_is_refused_where_it_is_not_exact():
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_fused_head_matches_the_models_own_head(tmp_path, arch):
-    """The fused LM-head path (ppo.py's default) gives the log-probs, entropies and gradients of the model's own
+    """The fused LM-head path (ppo.py's default) gives the log-probs, entropies and their gradients of the model's own
     logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"])
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
@@ -382,9 +386,9 @@ def test_fused_head_matches_the_models_own_head(tmp_path, arch):
     results = []
     for fused in (True, False):
         policy.zero_grad()
-        lp, ent = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True, fused=fused)
-        lp.sum().backward()
-        results.append([lp.detach(), ent] + [p.grad.clone() for p in policy.parameters()])
+        lp, ent = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, ppo.FastPaths(fused), with_entropy=True)
+        (lp.sum() - 0.3 * ent.sum()).backward()  # an entropy bonus trains on both paths (#28: it did on neither)
+        results.append([lp.detach(), ent.detach()] + [p.grad.clone() for p in policy.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     head = policy.get_output_embeddings()
@@ -515,6 +519,20 @@ def test_accumulation_set_by_the_launcher_must_agree(assets, tmp_path, monkeypat
                           output_dir=str(tmp_path), num_trainable_layers=None))
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def test_entropy_bonus_trains_the_entropy(assets, tmp_path):
+    """--ent-coef: the bonus carries its gradient through the fused head (#28: it silently did nothing), so the policy
+    ends with more entropy than without it; loss/entropy_avg logs the mean entropy the coefficient multiplies."""
+    runs = {coef: run_ppo(common(assets, "--reward-fn", REWARD_FN, "--total-episodes", "64", "--learning-rate", "1e-2",
+                                 "--ent-coef", coef), tmp_path / coef)[1] for coef in ("0", "2")}
+    assert all("loss/entropy_avg" not in r for r in runs["0"])
+    assert all(r["loss/entropy_avg"] == r["policy/entropy_avg"] for r in runs["2"])
+    assert runs["2"][0]["objective/entropy"] == runs["0"][0]["objective/entropy"]  # the same first rollout
+    # the training forwards' mean entropy: the reward lowers it by about 0.1 nats in 4 updates, the bonus holds it
+    # near its maximum, log 31 = 3.43 (measured: 3.29 and 3.42)
+    without, bonus = (runs[coef][-1]["policy/entropy_avg"] for coef in ("0", "2"))
+    assert bonus > without + 0.05 and bonus > runs["2"][0]["policy/entropy_avg"]
 
 
 def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
