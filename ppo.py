@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import tyro
 from accelerate import Accelerator
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
@@ -275,9 +276,9 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(p * l)."""
+    """Entropy of softmax(logits): logsumexp(l) - sum(p * l), p = 0 columns (a finfo.min pad) left out of the sum."""
     p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+    return torch.logsumexp(logits, dim=-1) - torch.where(p > 0, p * logits, 0).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -603,8 +604,7 @@ def main(args: Args) -> None:
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
                      contain_eos_token, sequence_lengths, score_components: dict, step_stats: list[dict]) -> dict:
-    """The update's metrics by name (TRL's): each a per-process scalar in `local` (a new metric is one line there),
-    averaged over processes in one gather; the PPO statistics average over the micro-batches that ran."""
+    """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
     real, n = (~padding_mask).float(), accelerator.num_processes
     local = {
         "objective/kl": kl.sum(1).mean(),
@@ -650,8 +650,7 @@ def in_interval(value: float, interval: str) -> bool:
 
 
 def flag_intervals() -> dict[str, str]:
-    """Each numeric flag's valid interval, written beside it in `Args` as Annotated[type, "[low, high)"] ("[" and "]"
-    include the bound; a None that a flag allows is no value)."""
+    """Each numeric flag's valid interval, from its Annotated[type, "[low, high)"] in `Args` (a None is no value)."""
     return {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()
             if hasattr(hint, "__metadata__")}
 
@@ -980,7 +979,7 @@ def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: i
                               atol=1e-5)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FastPaths:
     """The exact speed paths, each checked at start-up (`load_models`), handed to the forwards as one object: the fused
     LM head (`head_logprobs`), and the output of frozen bottom blocks (`frozen_trunk`), computed once per update by
@@ -1091,7 +1090,8 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
                              temperature, pad_token_id, with_entropy)
     logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, fast), temperature,
                           pad_token_id)
-    entropy = entropy_from_logits(logits) if with_entropy else logits.new_zeros(0)
+    # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
+    entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
     return logprobs_from_logits(logits, response_ids), entropy
 
 
@@ -1679,8 +1679,10 @@ def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch
     them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
     assistant prefix included, as TRL), `completion_ids` (up to the stop token) and every other column of the rows."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    prompts = rows[prompt_column]
-    completions = [[with_answer(p, t)[-1]] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    prompts = rows[prompt_column]  # TRL also pops a final assistant prefix out of them: here they stay as given
+    prefixes = [p[-1]["content"] if isinstance(p, list) and p[-1]["role"] == "assistant" else "" for p in prompts]
+    completions = [[{"role": "assistant", "content": prefix + t}] if isinstance(p, list) else t
+                   for p, prefix, t in zip(prompts, prefixes, texts)]
     # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
     columns = {k: v for k, v in rows.items() if k not in (prompt_column, "input_ids", "completion", "completion_ids")}
     return dict(prompts=prompts, completions=completions,
@@ -1697,6 +1699,8 @@ def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tenso
         raise ValueError(f"{called} cannot take them ({e}). Reward functions take keywords, as TRL's GRPOTrainer: "
                          "def f(completions, **kwargs) -> list[float | None], a dataset column arriving as the "
                          "keyword of its name, e.g. def accuracy(completions, solution, **kwargs)") from None
+    except ValueError:  # no signature to read (some builtins): the call itself will tell
+        pass
     out = fn(**copy.deepcopy(kwargs))  # a copy: a function may edit its inputs (TRL's own code pops prompts)
     values, n = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out, len(kwargs["completions"])
     if not isinstance(values, (list, tuple)) or len(values) != n:
@@ -1755,12 +1759,14 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
         kwargs = reward_fn_kwargs(rewards.policy_tokenizer, rows, rewards.prompt_column, responses)
         for name, spec, fn in zip(rewards.names[len(rewards.models):], rewards.fn_specs, rewards.fns):
             components[name] = call_reward_fn(fn, kwargs, queries.device, spec)
-    unjudged = torch.stack([c.isnan() for c in components.values()]).all(0)
-    if unjudged.any():
+    functions = rewards.names[len(rewards.models):]  # a reward model judges every row: its NaN is no None
+    unjudged = torch.stack([components[n].isnan() for n in functions]).all(0) if not rewards.models else None
+    if unjudged is not None and unjudged.any():
         prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
         raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}: each row needs a reward that "
                          "judges it")
-    return sum(w * components[n].nan_to_num(0.0) for n, w in zip(rewards.names, rewards.weights)), components
+    return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
+               for n, w in zip(rewards.names, rewards.weights)), components
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------

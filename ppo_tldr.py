@@ -1,7 +1,6 @@
-# PPO on Reddit TL;DR summarization, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al.,
-# 2024; github.com/vwxyzjn/summarize_from_feedback_details, "SFD") in one file. Docs: README.md. It imports nothing from
-# ppo.py; "N+ detail k" is the README's numbered TL;DR list, and "TRL" marks a fix of TRL's PPOTrainer. The order:
-# `Args`, the PPO math, `main`, then the plumbing it calls, which Python resolves when `main` runs.
+# PPO on Reddit TL;DR, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024; "SFD":
+# github.com/vwxyzjn/summarize_from_feedback_details), standing alone. Docs: README.md ("N+ detail k": its list;
+# "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then the plumbing it calls, resolved when it runs.
 import copy
 import json
 import math
@@ -218,9 +217,9 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(p * l)."""
+    """Entropy of softmax(logits): logsumexp(l) - sum(p * l), p = 0 columns (a finfo.min pad) left out of the sum."""
     p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+    return torch.logsumexp(logits, dim=-1) - torch.where(p > 0, p * logits, 0).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -273,8 +272,7 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
 
 def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
                            missing_eos_penalty: float) -> torch.Tensor:
-    """The score of a response without eos (N+ detail 22): `replace`d by penalty_reward_value (SFD), the penalty
-    subtracted from it (TRL), or kept (`none`)."""
+    """A response without eos (N+ detail 22): score `replace`d (SFD), penalty `subtract`ed (TRL), or kept (`none`)."""
     if rule == "replace":
         return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
     if rule == "subtract":
@@ -384,8 +382,7 @@ def main(args: Args) -> None:
             scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
 
-            # 4. Rewards: the missing-eos rule (N+ detail 22), then the per-token KL penalty plus the score one past the
-            #    last token (be very careful with padding_mask_p1: N+ detail 25)
+            # 4. Rewards: the missing-eos rule (N+ 22), the per-token KL penalty, the score (padding_mask_p1: N+ 25)
             contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
@@ -402,8 +399,7 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
-        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps of gradient_accumulation_steps
-        #    micro-batches each
+        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps, each of GA micro-batches
         timer = time.perf_counter()
         model.train()
         step_stats = []  # by name, one dict per micro-batch
@@ -475,8 +471,7 @@ def main(args: Args) -> None:
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     run_log.close()
 
-    # 10. Save policy and value model; every process leaves together and takes its process group down with it (a
-    #     process that exits while gloo/NCCL threads still run can abort)
+    # 10. Save policy and value; every process leaves together (one exiting while gloo/NCCL threads run can abort)
     save_models(accelerator, model, setup.output_dir, console)
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -486,8 +481,7 @@ def main(args: Args) -> None:
 # differs from ppo.py: no reward components, score scaling or skipped minibatches
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
                      contain_eos_token, sequence_lengths, step_stats: list[dict]) -> dict:
-    """The update's metrics by name (TRL's): each a per-process scalar in `local` (a new metric is one line there),
-    averaged over processes in one gather; statistics count real tokens only."""
+    """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
     real, n = (~padding_mask).float(), accelerator.num_processes
     local = {
         "objective/kl": kl.sum(1).mean(),
@@ -517,8 +511,7 @@ def in_interval(value: float, interval: str) -> bool:
 
 
 def flag_intervals() -> dict[str, str]:
-    """Each numeric flag's valid interval, written beside it in `Args` as Annotated[type, "[low, high)"] ("[" and "]"
-    include the bound; a None that a flag allows is no value)."""
+    """Each numeric flag's valid interval, from its Annotated[type, "[low, high)"] in `Args` (a None is no value)."""
     return {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()
             if hasattr(hint, "__metadata__")}
 
@@ -653,8 +646,7 @@ def format_query(subreddit: str, title: str, post: str) -> str:
 
 def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: str, post: str,
                    max_query_length: int) -> tuple[str, list[int]]:
-    """The query and its tokens, the post cut until it fits (N+ detail 2): at its last newline (SFD), then at its last
-    space (SFD: one character at a time, the same cut rounded to a word), then one character."""
+    """The query and its tokens, the post cut to fit (N+ detail 2) at its last newline (SFD), space, or character."""
     while True:
         query = format_query(subreddit, title, post)
         ids = encode(query)
@@ -670,8 +662,7 @@ def truncate_query(encode: Callable[[str], list[int]], subreddit: str, title: st
 
 
 def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
-    """For `Dataset.map(batched=True)`: the truncated query's text and tokens, and the reference's tokens: " " +
-    summary + the eos id (N+ detail 4), as the reward model was trained. A query may not end in eos."""
+    """`Dataset.map`: query text and tokens; the reference's tokens, summary + the eos id (N+ detail 4)."""
     encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731 (with the tokenizer's own special tokens, e.g. BOS)
     out = {"query": [], "input_ids": [], "reference_ids": []}
     for subreddit, title, post, summary in zip(*(batch[c] for c in TLDR_COLUMNS)):
@@ -693,8 +684,7 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
 
 
 def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
-    """A hub id, a dataset directory, a `save_to_disk` directory, or a json/jsonl/parquet/csv file (one split: `split`
-    is not used). Refuses data without the TL;DR columns."""
+    """A hub id, a dataset or `save_to_disk` directory, or a json/jsonl/parquet/csv file; with the TL;DR columns."""
     path = Path(name)
     if path.is_file():
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
@@ -722,7 +712,7 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     return ds
 
 
-# ---- Model forwards --------------------------------------------------------------------------------------------------
+# ---- Model forwards: pad ids become 0, masked out, so a [PAD] needs no embedding resize (N+ detail 6) --------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -834,8 +824,6 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 
 
 # ---- Loading the models: dropout off, DeepSpeed ----------------------------------------------------------------------
-# Models. Pad ids never reach an embedding (they become 0 and are masked out of attention), so a [PAD] token needs no
-# embedding resize (N+ detail 6); explicit position ids keep left padding right for absolute-position models.
 def disable_dropout(model: nn.Module) -> None:
     """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
     for module in model.modules():
@@ -871,8 +859,7 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
 
 # differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
 def load_models(args: Args, setup: Setup):
-    """Policy, frozen reference (N+ detail 19), value model from the reward model (N+ detail 18) and reward model:
-    separate networks (N+ detail 17); policy and value wrapped into one `model`, prepared with one AdamW."""
+    """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
     accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
     value_model_path = args.value_model_path or args.reward_model_path
     reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
@@ -961,8 +948,7 @@ class HeldOut(NamedTuple):
 
 def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
                    chunk: int) -> HeldOut:
-    """Every world_size-th held-out post, the last wrapping around to the first (under ZeRO-3 every forward needs
-    every process); the references scored once, as responses are."""
+    """Every world_size-th held-out post (wrapping: ZeRO-3 needs every process), its reference scored once."""
     n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
     indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
     rows = eval_dataset.select(indices)
@@ -978,8 +964,7 @@ def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, r
 # differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
 def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
              console: Console) -> dict:
-    """Near-greedy summaries of the held-out posts (N+ detail 30), scored without the missing-eos rule (SFD), into
-    eval/update-NNNNNN.jsonl; a generator of its own leaves the training RNG untouched."""
+    """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
     accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     eval_args = replace(args, temperature=EVAL_TEMPERATURE)
@@ -1154,8 +1139,7 @@ def sub_state(state_dict: dict, name: str) -> dict:
 
 # differs from ppo.py: no adapters, no value head
 def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
-    """Policy and value model, each loadable by plain transformers (TRL saved the policy only); the value model keeps
-    the reward model's config, `bias` included, which `score_bias` subtracts again when it is loaded."""
+    """Policy and value model for plain transformers (TRL saved the policy only); the value keeps the RM's `bias`."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights

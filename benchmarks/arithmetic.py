@@ -6,6 +6,7 @@ import argparse
 import json
 import random
 import re
+from pathlib import Path
 
 SYSTEM = "You are a calculator. Reply with the number only."
 QUESTION = "What is {a} + {b}? Answer with the number only."
@@ -44,7 +45,8 @@ def extract_answer(text: str) -> int | None:
 
 def accuracy(completions, solution, **kwargs) -> list[float]:
     """1.0 where the completion's last integer equals the solution, else 0.0 (TRL GRPOTrainer convention)."""
-    return [float(extract_answer(completion_text(c)) == int(s)) for c, s in zip(completions, solution)]
+    answers = [extract_answer(completion_text(c)) for c in completions]
+    return [float(a is not None and a == extract_answer(s)) for a, s in zip(answers, solution)]
 
 
 if __name__ == "__main__":
@@ -56,5 +58,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if not 0 <= args.eval_samples <= args.n:
         parser.error(f"--eval-samples {args.eval_samples} must be in [0, --n {args.n}]")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in make_rows(args.n, args.seed, args.eval_samples))

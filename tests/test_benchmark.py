@@ -63,4 +63,5 @@ def test_arithmetic_rows_are_deterministic_and_the_held_out_questions_are_new():
 def test_arithmetic_accuracy_reads_the_last_integer_of_either_completion_form():
     completions = ["4 + 18 = 22", [{"role": "assistant", "content": "The answer is 22."}], "22 + 1", "no number",
                    [{"role": "assistant", "content": "It costs 1,022 dollars"}]]
-    assert arithmetic.accuracy(completions, ["22", "22", "22", "22", "1022"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert arithmetic.accuracy(completions, ["22", "22", "22", "22", "1,022"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert arithmetic.accuracy(["no number"], ["none either"]) == [0.0]  # no answer is never right

@@ -308,6 +308,26 @@ def test_entropy_finite_with_dtype_min_logit(dtype):
     assert torch.isfinite(ppo.entropy_from_logits(scaled)).all()
 
 
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])
+def test_entropy_gradient_against_a_loop_with_dtype_min_logit(scale):
+    """d entropy / d logit_j = -p_j (log p_j + entropy), 0 in the pad column (finfo.min), finite even when the loss
+    scales the entropy up (an entropy bonus under fp16 loss scaling: before, the pad column's gradient overflowed)."""
+    logits = randn((3, 7), seed=8, dtype=torch.float32)
+    logits[:, 4] = torch.finfo(torch.float32).min
+    logits.requires_grad_()
+    (scale * ppo.entropy_from_logits(logits).sum()).backward()
+    expected = []
+    for r in rows(logits.detach().double()):
+        finite = r[:4] + r[5:]
+        m = max(finite)
+        log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+        entropy = -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
+        expected.append([0.0 if j == 4 else -scale * math.exp(x - log_z) * (x - log_z + entropy)
+                         for j, x in enumerate(r)])
+    assert torch.isfinite(logits.grad).all()
+    assert_close(logits.grad, from_rows(expected, logits), tol=dict(rtol=1e-4, atol=1e-5 * scale))
+
 # ------------------------------------------------------------------------------------------------------------------
 # head_logprobs (fused LM head + log-softmax + gather + entropy, chunked) / sample_inverse_cdf
 # ------------------------------------------------------------------------------------------------------------------
