@@ -1533,6 +1533,11 @@ def with_answer(messages: list[dict], answer: str) -> list[dict]:
     return messages + [{"role": "assistant", "content": answer}]
 
 
+def assistant_prefix(prompt) -> str:
+    """The final assistant message a chat prompt leaves for the policy to continue, or ""."""
+    return prompt[-1]["content"] if isinstance(prompt, list) and prompt[-1]["role"] == "assistant" else ""
+
+
 def prompt_text(prompt) -> str:
     """A prompt as the dataset gave it, for people: the text, or a chat prompt from its last user message on."""
     if isinstance(prompt, str):
@@ -1642,8 +1647,8 @@ def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
         _vader = SentimentIntensityAnalyzer()
-    prefixes = [p[-1]["content"] if isinstance(p, list) and p[-1]["role"] == "assistant" else "" for p in prompts]
-    texts = [c if isinstance(c, str) else c[0]["content"][len(prefix):] for c, prefix in zip(completions, prefixes)]
+    texts = [c if isinstance(c, str) else c[0]["content"][len(assistant_prefix(p)):]
+             for p, c in zip(prompts, completions)]
     return [_vader.polarity_scores(t)["compound"] for t in texts]
 
 
@@ -1680,9 +1685,8 @@ def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch
     assistant prefix included, as TRL), `completion_ids` (up to the stop token) and every other column of the rows."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     prompts = rows[prompt_column]  # TRL also pops a final assistant prefix out of them: here they stay as given
-    prefixes = [p[-1]["content"] if isinstance(p, list) and p[-1]["role"] == "assistant" else "" for p in prompts]
-    completions = [[{"role": "assistant", "content": prefix + t}] if isinstance(p, list) else t
-                   for p, prefix, t in zip(prompts, prefixes, texts)]
+    completions = [[{"role": "assistant", "content": assistant_prefix(p) + t}] if isinstance(p, list) else t
+                   for p, t in zip(prompts, texts)]
     # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
     columns = {k: v for k, v in rows.items() if k not in (prompt_column, "input_ids", "completion", "completion_ids")}
     return dict(prompts=prompts, completions=completions,
