@@ -5,6 +5,7 @@
 # (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
 # in a comment with the word "TRL".
 import copy
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -14,6 +15,7 @@ import numbers
 import os
 import random
 import shutil
+import socket
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -681,6 +683,22 @@ def check_args(args: Args) -> None:
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
 
 
+def check_same_launch(accelerator: Accelerator, args) -> None:
+    """Machines launched with other flags or process counts would train apart or hang in a collective (#30)."""
+    if accelerator.num_processes == 1:
+        return
+    flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
+    local = torch.tensor([[flags, int(os.environ.get("LOCAL_WORLD_SIZE", 1))]], device=accelerator.device)
+    launches = accelerator.gather(local).tolist()  # (flags, processes on its machine) per process
+    if any(f != launches[0][0] for f, _ in launches):
+        raise ValueError(f"processes {[r for r, (f, _) in enumerate(launches) if f != launches[0][0]]} were launched "
+                         "with other flags than process 0: start every machine with the same command (only "
+                         "--machine_rank differs)")
+    if any(size != launches[0][1] for _, size in launches):
+        raise ValueError(f"the machines run different numbers of processes ({sorted({s for _, s in launches})}): "
+                         "give every machine's launcher the same --num_processes, the total over all machines")
+
+
 def check_sft_adapters(args: Args, sft_adapters: dict[str, Path]) -> None:
     """Refuse a peft checkpoint as SFT model whose adapters this script cannot train or use as reference."""
     for name, path in sft_adapters.items():
@@ -758,6 +776,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     # No DataLoader is prepared (see `rollout_indices`): with one, accelerate would also step after every micro-batch
     # of each update that used an epoch's last batch (its sync_with_dataloader default), a latent TRL bug
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    check_same_launch(accelerator, args)
     # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
     ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
@@ -782,7 +801,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.resume:
         checkpoint = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None)
     remote = dict(trust_remote_code=args.trust_remote_code)
-    with accelerator.local_main_process_first():  # one-time conversions, by one process per machine
+    # one-time work, by the run's first process, then each machine's (a no-op on a shared disk, which it finds done)
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
         sft_model_path = resolve_model_path(args.sft_model_path)
         sft_adapters = checkpoint_adapters(sft_model_path)  # a peft checkpoint: its adapters go on the base it names
         if sft_adapters:
@@ -854,7 +874,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if clash:
         raise ValueError(f"{args.dataset_name}: column(s) {sorted(clash)} would collide with the keywords reward "
                          "functions are called with (prompts, completions, completion_ids): rename them")
-    with accelerator.local_main_process_first():
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
         dataset = dataset.map(
             lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
             batched=True)
@@ -868,14 +888,15 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
     eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
+                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
     saved = None
-    if checkpoint is not None:
+    if checkpoint is not None:  # a checkpoint from before #30 has no num_processes: taken as unchanged
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved[k], v) for k, v in run_state.items() if saved[k] != v}
+        changed = {k: (saved[k], v) for k, v in run_state.items() if saved.get(k, v) != v}
         if changed:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags, or the data order and learning rate would not continue")
+                             "with the original flags and number of processes, or the data order, random streams and "
+                             "learning rate would not continue")
     # broken reward functions and reward-model templates fail now, not after the models are loaded (the prompts
     # stand in for the completions)
     first_rows = train_dataset[:2]
@@ -1297,10 +1318,15 @@ def resolve_model_path(path: str) -> str:
         del config.quantization_config  # a GGUF-loaded model refuses save_pretrained: copy it into a clean one
         model = AutoModelForCausalLM.from_config(config)
         model.load_state_dict(quantized.state_dict())
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        tmp = temporary_name(out)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)  # complete or absent: a killed conversion is redone, never half-read
+        try:
+            os.replace(tmp, out)  # complete or absent: a killed conversion is redone, never half-read
+        except OSError:  # fine if another run converted it meanwhile
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)
     return str(out)
 
 
@@ -1502,7 +1528,7 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
                               if m.name.endswith("movieReviewSnippets_GroundTruth.txt"))
                 lines = resources.extractfile(member).read().decode("utf-8").splitlines()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = f"{path}.tmp{os.getpid()}"
+    tmp_path = temporary_name(Path(path))
     with open(tmp_path, "w") as f:
         for line in lines:  # id <TAB> mean human sentiment rating <TAB> text
             words = line.strip().split("\t")[-1].split()
@@ -1886,8 +1912,13 @@ def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setu
 
 
 # ---- Checkpoints and logs --------------------------------------------------------------------------------------------
+def temporary_name(path: Path) -> Path:
+    """A hidden name beside `path`, unique to this process among the machines sharing the disk."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temporary_name(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 

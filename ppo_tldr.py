@@ -2,11 +2,13 @@
 # github.com/vwxyzjn/summarize_from_feedback_details), standing alone. Docs: README.md ("N+ detail k": its list;
 # "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then the plumbing it calls, resolved when it runs.
 import copy
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import socket
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -536,6 +538,22 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
 
 
+def check_same_launch(accelerator: Accelerator, args) -> None:
+    """Machines launched with other flags or process counts would train apart or hang in a collective (#30)."""
+    if accelerator.num_processes == 1:
+        return
+    flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
+    local = torch.tensor([[flags, int(os.environ.get("LOCAL_WORLD_SIZE", 1))]], device=accelerator.device)
+    launches = accelerator.gather(local).tolist()  # (flags, processes on its machine) per process
+    if any(f != launches[0][0] for f, _ in launches):
+        raise ValueError(f"processes {[r for r, (f, _) in enumerate(launches) if f != launches[0][0]]} were launched "
+                         "with other flags than process 0: start every machine with the same command (only "
+                         "--machine_rank differs)")
+    if any(size != launches[0][1] for _, size in launches):
+        raise ValueError(f"the machines run different numbers of processes ({sorted({s for _, s in launches})}): "
+                         "give every machine's launcher the same --num_processes, the total over all machines")
+
+
 def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
     """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -573,6 +591,7 @@ def set_up(args: Args) -> Setup:
     check_args(args)
     # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    check_same_launch(accelerator, args)
     # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
     ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
@@ -619,19 +638,21 @@ def set_up(args: Args) -> Setup:
                          "processes: raise --eval-samples")
     tokenize = dict(function=tokenize_tldr, batched=True,
                     fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
-    with accelerator.local_main_process_first():  # the other processes read the first one's cache
+    # the run's first process, then each machine's: the others read its cache (once per disk)
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset))
+                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
     start_update = 1
     if checkpoint is not None:  # the checkpoint's run must have had the same settings
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k) != v}
-        if changed:
+        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k, v) != v}
+        if changed:  # a checkpoint from before #30 has no num_processes: taken as unchanged
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags, or the data order and learning rate would not continue")
+                             "with the original flags and number of processes, or the data order, random streams and "
+                             "learning rate would not continue")
         start_update = saved["update"] + 1
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
     return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
@@ -1004,8 +1025,13 @@ def print_eval_table(console: Console, rows: list[dict], title: str, query_chars
 
 
 # ---- Checkpoints and logs --------------------------------------------------------------------------------------------
+def temporary_name(path: Path) -> Path:
+    """A hidden name beside `path`, unique to this process among the machines sharing the disk."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temporary_name(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 

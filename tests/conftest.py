@@ -149,14 +149,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_flags=(), num_processes=2, check=True):
-    """`accelerate launch --config_file <config> <script>` on CPU processes; returns (completed process, metrics rows).
-    `config` is a file of accelerate_configs/ or a path. multi_cpu.yaml runs as its comment says; a DeepSpeed config
-    runs through tests/deepspeed_on_cpu.py, in fp32 unless `launch_flags` say otherwise."""
+def launch_command(args, output_dir, script, config, launch_flags, num_processes, machine=None):
+    """The `accelerate launch` command and environment of `launch`; `machine` = (rank, port) for one of two machines."""
     config = ROOT / "accelerate_configs" / config if "/" not in str(config) else Path(config)
     deepspeed = config.name.startswith("deepspeed")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+    machines = ["--num_machines", "2", "--machine_rank", str(machine[0]), "--main_process_ip", "127.0.0.1"] if machine \
+        else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *machines,
+           "--num_processes", str(num_processes), "--main_process_port", str(machine[1] if machine else free_port()),
            *(launch_flags or (["--mixed_precision", "no"] if deepspeed else [])),
            *([str(ROOT / "tests" / "deepspeed_on_cpu.py")] if deepspeed else []),
            str(ROOT / script), *args, "--output-dir", str(output_dir)]
@@ -164,8 +164,37 @@ def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_fl
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
     if not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
+    return cmd, env
+
+
+def launch(args, output_dir, script="ppo.py", config="multi_cpu.yaml", launch_flags=(), num_processes=2, check=True):
+    """`accelerate launch --config_file <config> <script>` on CPU processes; returns (completed process, metrics rows).
+    `config` is a file of accelerate_configs/ or a path. multi_cpu.yaml runs as its comment says; a DeepSpeed config
+    runs through tests/deepspeed_on_cpu.py, in fp32 unless `launch_flags` say otherwise."""
+    cmd, env = launch_command(args, output_dir, script, config, launch_flags, num_processes)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = output_dir / "metrics.jsonl"
     return proc, update_rows(metrics)
+
+
+def launch_machines(args, output_dir, script="ppo.py", config="multi_cpu.yaml", num_processes=(2, 2),
+                    extra=((), ()), cwd=ROOT, check=True):
+    """Two machines on this host, sharing its disk as a cluster's nodes do: two `accelerate launch` commands started
+    together with --num_machines 2, --machine_rank 0 and 1 and one rendezvous at 127.0.0.1. `num_processes` is each
+    launcher's total over both machines, `extra` each machine's extra script flags; returns (both completed processes,
+    metrics rows)."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        cmd, env = launch_command([*args, *extra[rank]], output_dir, script, config, (), num_processes[rank],
+                                  machine=(rank, port))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                      env=env))
+    done = [subprocess.CompletedProcess(p.args, None, *p.communicate(timeout=600)) for p in procs]
+    for proc, p in zip(done, procs):
+        proc.returncode = p.returncode
+        if check:
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return done, update_rows(output_dir / "metrics.jsonl")

