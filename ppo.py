@@ -110,6 +110,8 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """the sampling temperature; the same temperature divides the logits in every forward"""
     missing_eos_penalty: Annotated[float | None, "[0, inf)"] = None
     """subtracted from the score of responses that contain no eos (stop) token"""
+    num_generations: Annotated[int, "[1, inf)"] = 1
+    """responses per prompt, sampled in a row (a group for RLOO- or GRPO-style advantages: README "Editing")"""
 
     # PPO
     kl_coef: Annotated[float, "[0, inf)"] = 0.1
@@ -220,13 +222,15 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
                       batch_size, math.ceil(total_episodes / batch_size))
 
 
-def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
-    a pure function of its arguments, so a resumed run continues the exact data order."""
-    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
+                    num_generations: int = 1) -> torch.Tensor:
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
+    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order."""
+    per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-    start = batch * sizes.batch_size + rank * sizes.local_batch_size
-    return permutation[start:start + sizes.local_batch_size]
+    start = batch * per_update + rank * per_rank
+    return permutation[start:start + per_rank].repeat_interleave(num_generations)
 
 
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
@@ -459,7 +463,8 @@ def main(args: Args) -> None:
         lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate  # linear anneal, per update: N+ detail 29
         for group in optimizer.param_groups:
             group["lr"] = lr
-        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
+                                  args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
         queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
@@ -561,10 +566,11 @@ def main(args: Args) -> None:
 
         # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
         with torch.no_grad():
+            rollout = Rollout(responses, sequence_lengths, padding_mask, logprobs, ref_logprobs, values, kl,
+                              non_score_reward, rewards, advantages, returns, scores, trained_scores,
+                              contain_eos_token, score_components)
             metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                                          trained_scores, contain_eos_token, sequence_lengths, score_components,
-                                          step_stats)}
+                       **gathered_metrics(accelerator, rollout, step_stats)}
         metrics.update({
             "policy/optimizer_steps": optimizer_steps,
             "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
@@ -595,7 +601,7 @@ def main(args: Args) -> None:
                 **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
-             rewards, advantages, returns)
+             rewards, advantages, returns, rollout)
     run_log.close()
     save_models(accelerator, model, args, setup, console)
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
@@ -604,32 +610,50 @@ def main(args: Args) -> None:
 
 
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
-def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores, trained_scores,
-                     contain_eos_token, sequence_lengths, score_components: dict, step_stats: list[dict]) -> dict:
+class Rollout(NamedTuple):
+    """One update's rollout on this process as phases 1-5 left it: what a metric can read (per response or token)."""
+    responses: torch.Tensor
+    sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
+    padding_mask: torch.Tensor  # True past the last real token
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    kl: torch.Tensor  # the per-token KL penalty's estimate
+    non_score_reward: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
+    trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
+    contain_eos_token: torch.Tensor | None
+    score_components: dict  # each reward's own score (NaN: its None)
+
+
+def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict]) -> dict:
     """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
-    real, n = (~padding_mask).float(), accelerator.num_processes
+    real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
-        "objective/kl": kl.sum(1).mean(),
-        "objective/entropy": (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-        "objective/non_score_reward": non_score_reward.sum(1).mean(),
-        "objective/rlhf_reward": non_score_reward.sum(1).mean() + trained_scores.mean(),  # what PPO maximised
-        "objective/scores": scores.mean(),
+        "objective/kl": r.kl.sum(1).mean(),
+        "objective/entropy": (-r.logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
+        "objective/rlhf_reward": r.non_score_reward.sum(1).mean() + r.trained_scores.mean(),  # what PPO maximised
+        "objective/scores": r.scores.mean(),
         # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
-        "val/num_eos_tokens": n * (contain_eos_token.sum().float() if contain_eos_token is not None else
-                                   torch.zeros((), device=scores.device)),
-        "val/response_length": (sequence_lengths + 1).float().mean(),
+        "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
+                                   torch.zeros((), device=r.scores.device)),
+        "val/response_length": (r.sequence_lengths + 1).float().mean(),
         # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
-    if trained_scores is not scores:  # scaled and/or clipped; objective/scores stays the raw score
-        local["objective/scaled_scores"] = trained_scores.mean()
+    if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
+        local["objective/scaled_scores"] = r.trained_scores.mean()
     metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
     ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
     return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
             else 0.0,
             # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
-            **reward_means(score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
+            **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
 
 
 def reward_means(components: dict, prefix: str, total: Callable) -> dict:
@@ -681,6 +705,10 @@ def check_args(args: Args) -> None:
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if local_batch_size % args.num_generations:  # a process holds whole groups, so group advantages need no gather
+        raise ValueError(f"--num-generations {args.num_generations} must divide the {local_batch_size} responses each "
+                         "process samples per update (per-device batch x accumulation x minibatches)")
 
 
 def check_same_launch(accelerator: Accelerator, args) -> None:
@@ -835,9 +863,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.dataset_prompt_column not in dataset.column_names:
         raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
                          f"(columns: {dataset.column_names})")
-    if len(dataset) - args.eval_samples < sizes.batch_size:
+    if len(dataset) - args.eval_samples < sizes.batch_size // args.num_generations:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
-                         f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
+                         f"{args.eval_samples} plus one rollout batch of {sizes.batch_size // args.num_generations}")
     chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
 
     # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6)
@@ -888,7 +916,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
     eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
+                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
+                     num_generations=args.num_generations)
     saved = None
     if checkpoint is not None:  # a checkpoint from before #30 has no num_processes: taken as unchanged
         saved = json.loads((checkpoint / "trainer_state.json").read_text())

@@ -172,13 +172,15 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 
 
 # Plumbing: data order, checkpoints, logging
-def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based): a fresh shared permutation per pass over the data,
-    a pure function of its arguments, so a resumed run continues the exact data order."""
-    epoch, batch = divmod(update - 1, num_prompts // sizes.batch_size)
+def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
+                    num_generations: int = 1) -> torch.Tensor:
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
+    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order."""
+    per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
-    start = batch * sizes.batch_size + rank * sizes.local_batch_size
-    return permutation[start:start + sizes.local_batch_size]
+    start = batch * per_update + rank * per_rank
+    return permutation[start:start + per_rank].repeat_interleave(num_generations)
 
 
 # PPO math: the same as ppo.py's (tests/test_math.py checks those against naive float64 loops, test_tldr.py the copies)

@@ -32,6 +32,24 @@ def test_rollout_indices_shard_each_pass_over_the_data():
         num_prompts, sizes, 1, 8, 0).tolist()
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_rollout_indices_sample_each_prompt_k_times_in_a_row(k):
+    """--num-generations k: a process's responses are whole groups of one prompt each; a pass over the data samples
+    every prompt it reaches k times, no prompt in two groups; k = 1 is the one-response data order."""
+    num_prompts, sizes = 50, ppo.batch_sizes(2, 2, 2, 3, 10_000)  # 3 ranks x 8 responses = 24 per update
+    per_epoch = num_prompts // (sizes.batch_size // k)
+    seen = []
+    for update in range(1, per_epoch + 1):
+        for rank in range(3):
+            shard = ppo.rollout_indices(num_prompts, sizes, update, 7, rank, k).tolist()
+            groups = [shard[i:i + k] for i in range(0, len(shard), k)]
+            assert len(shard) == sizes.local_batch_size and all(len(set(g)) == 1 for g in groups)
+            seen += [g[0] for g in groups]
+    assert len(seen) == len(set(seen)) == per_epoch * sizes.batch_size // k
+    one = ppo.batch_sizes(2, 2, 2, 3, 10_000)._replace(batch_size=24 // k, local_batch_size=8 // k)
+    assert seen[:8 // k] == ppo.rollout_indices(num_prompts, one, 1, 7, 0).tolist()  # the same prompts, k times each
+
+
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     args = args_for(assets, "--total-episodes", "64", "--save-every", "2",  # 4 updates, checkpoints at 2 and 4

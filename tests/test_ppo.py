@@ -485,6 +485,7 @@ def test_reward_fn_kwargs_follow_trl():
     (dict(value_model_path="./no/such/model"), "./no/such/model: no such model directory"),
     (dict(whiten_rewards=True, per_device_train_batch_size=2, gradient_accumulation_steps=1, num_mini_batches=1),
      "at least 8"),
+    (dict(num_generations=3), "--num-generations 3 must divide the 32 responses each process samples"),
     # tried as a new user would: these crashed inside torch or datasets, or started a run
     (dict(response_length=0), "--response-length 0 is out of range: it must lie in [1, inf)"),
     (dict(eval_samples=-1), "--eval-samples -1 is out of range"),
@@ -533,6 +534,19 @@ def test_entropy_bonus_trains_the_entropy(assets, tmp_path):
     # near its maximum, log 31 = 3.43 (measured: 3.29 and 3.42)
     without, bonus = (runs[coef][-1]["policy/entropy_avg"] for coef in ("0", "2"))
     assert bonus > without + 0.05 and bonus > runs["2"][0]["policy/entropy_avg"]
+
+
+def test_num_generations_samples_each_prompt_as_a_group(assets, tmp_path, monkeypatch):
+    """--num-generations 4: each update scores every one of its prompts 4 times in a row, so a group advantage (RLOO,
+    GRPO: README "Editing the scripts") reads a group as `scores.view(-1, 4)`; the updates of a pass share no prompt."""
+    monkeypatch.setenv("PROMPT_LOG", str(tmp_path / "prompts.jsonl"))
+    _, rows = run_ppo(common(assets, "--reward-fn", "tests/rewards.py:logged_target_word_fraction", "--num-generations",
+                             "4"), tmp_path / "run")
+    batches = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    training = [b for b in batches if len(b) == 16]  # 4 x 2 x 2 per update; the start-up probe and evaluations: 2, 4
+    assert len(training) == len(rows) == 2
+    groups = [b[i:i + 4] for b in training for i in range(0, 16, 4)]
+    assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 8
 
 
 def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
