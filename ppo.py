@@ -1,6 +1,6 @@
-# PPO for language models (RLHF), CleanRL style: one file, read top to bottom. Docs: README.md. The order: `Args`, the
-# PPO math, `main` (the loop), then the plumbing it calls (set-up, forwards, models, rewards, logs), which Python
-# resolves when `main` runs.
+# PPO for language models (RLHF), CleanRL style: one file, read top to bottom. Docs: README.md (where a change goes:
+# "Editing the scripts"). The order: `Args`, the PPO math, `main` (the loop), then the plumbing it calls (set-up,
+# forwards, models, rewards, logs), which Python resolves when `main` runs.
 # Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
 # (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
 # in a comment with the word "TRL".
@@ -460,7 +460,8 @@ def main(args: Args) -> None:
         run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate  # linear anneal, per update: N+ detail 29
+        # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
@@ -507,6 +508,10 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
+            # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
+            rollout = Rollout(responses, sequence_lengths, padding_mask, padding_mask_p1, logprobs, ref_logprobs,
+                              values, kl, non_score_reward, rewards, advantages, returns, scores, trained_scores,
+                              contain_eos_token, score_components)
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
@@ -566,9 +571,6 @@ def main(args: Args) -> None:
 
         # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
         with torch.no_grad():
-            rollout = Rollout(responses, sequence_lengths, padding_mask, logprobs, ref_logprobs, values, kl,
-                              non_score_reward, rewards, advantages, returns, scores, trained_scores,
-                              contain_eos_token, score_components)
             metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
                        **gathered_metrics(accelerator, rollout, step_stats)}
         metrics.update({
@@ -615,6 +617,7 @@ class Rollout(NamedTuple):
     responses: torch.Tensor
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
     padding_mask: torch.Tensor  # True past the last real token
+    padding_mask_p1: torch.Tensor  # True past the score's position (the values' and returns' mask)
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
     values: torch.Tensor
