@@ -282,9 +282,11 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits): logsumexp(l) - sum(p * l), p = 0 columns (a finfo.min pad) left out of the sum."""
-    p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - torch.where(p > 0, p * logits, 0).sum(-1)
+    """Entropy of softmax(logits): -sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels to 5e-4
+    over a 49k vocabulary in float32); p = 0 columns (a finfo.min pad) left out of the sum."""
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, 0).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -452,7 +454,7 @@ def main(args: Args) -> None:
             "value head": models.value_head,
             **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
-            banner_notes(setup))
+            banner_notes(setup) + [models.fast.describe()])
     checkpoints = setup.output_dir / "checkpoints"
     start_time = time.time()
     run_log.progress.start()
@@ -473,8 +475,8 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
-            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                   stop_token_id)
+            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3,
+                                                         pad_token_id, stop_token_id, fast=models.fast)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
@@ -483,7 +485,7 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
             ref_logprobs, values, full_kl_per_token, fast = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id)
+                models, query_responses, response_ids, context_length, args, pad_token_id, kept)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
             time_scoring = time.perf_counter() - timer - time_generation
@@ -602,7 +604,7 @@ def main(args: Args) -> None:
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
                 **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
-        del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
+        del (query_responses, responses, response_ids, kept, fast, logprobs, ref_logprobs, values,
              rewards, advantages, returns, rollout)
     run_log.close()
     save_models(accelerator, model, args, setup, console)
@@ -1036,11 +1038,15 @@ def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: i
 class FastPaths:
     """The exact speed paths, each checked at start-up (`load_models`), handed to the forwards as one object: the fused
     LM head (`head_logprobs`), and the output of frozen bottom blocks (`frozen_trunk`), computed once per update by
-    `with_trunks` and reused by every later forward. FastPaths() or None: the plain computation."""
+    `with_trunks` and reused by every later forward, or kept while sampling (`kept_while_sampling`) with the final
+    hidden states a value head reads: then scoring runs only the reference's top blocks. FastPaths() or None: the
+    plain computation."""
     fused_head: bool = False
     num_frozen: dict = field(default_factory=dict)  # "policy"/"value": the bottom blocks no forward needs to rerun
     value_shares_trunk: bool = False  # the value model starts from the policy's weights: one trunk serves both
+    from_sampling: tuple = ()  # what sampling keeps of the policy's states: "trunk", "final" (for a value head)
     trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
+    final_hidden: torch.Tensor | None = None  # the policy's, kept while sampling, until the values are read
 
     def trunk(self, name: str):
         """(hidden states after the frozen blocks, their number) for `final_hidden_states`, or None."""
@@ -1048,14 +1054,73 @@ class FastPaths:
         return (self.trunks[name], self.num_frozen[name]) if name in self.trunks else None
 
     def with_trunks(self, models: dict, query_responses, pad_token_id: int) -> "FastPaths":
-        """These paths with the trunks of these sequences computed (`models`: "policy"/"value" -> the model)."""
-        return replace(self, trunks={name: frozen_trunk(models[name], query_responses, pad_token_id, n)
+        """These paths with the trunks of these sequences that sampling did not keep computed (`models`:
+        "policy"/"value" -> the model)."""
+        return replace(self, trunks={name: self.trunks[name] if name in self.trunks else
+                                     frozen_trunk(models[name], query_responses, pad_token_id, n)
                                      for name, n in self.num_frozen.items()
                                      if not (name == "value" and self.value_shares_trunk)})
 
     def rows(self, index) -> "FastPaths":
         """Restricted to some rows (a micro-batch)."""
-        return replace(self, trunks={name: hidden[index] for name, hidden in self.trunks.items()})
+        return replace(self, trunks={name: hidden[index] for name, hidden in self.trunks.items()},
+                       final_hidden=None if self.final_hidden is None else self.final_hidden[index])
+
+    def describe(self) -> str:
+        """The banner's line: the paths the start-up checks found exact (the others compute in full)."""
+        trunks = ", ".join(f"{name} {n} blocks" for name, n in self.num_frozen.items()) or "none"
+        return (f"fast paths: fused LM head {'on' if self.fused_head else 'off'}; frozen trunks: {trunks}; kept "
+                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}")
+
+    def kept(self, pieces: dict, lengths: list[int], total_length: int) -> "FastPaths":
+        """These paths with the states `kept_while_sampling` kept while chunks of `lengths` new tokens were sampled
+        (`generate(feed_last=True)`): the prefill's, then one piece per token; a chunk's padding gets zeros."""
+        def rows(kept: list):
+            ends = np.cumsum([0] + [n + 1 for n in lengths])  # a chunk's pieces: its prefill, then one per token
+            chunks = [torch.cat(kept[a:b], 1) for a, b in zip(ends[:-1], ends[1:])]
+            return torch.cat([F.pad(h, (0, 0, 0, total_length - h.size(1))) for h in chunks])
+        return replace(self, trunks={"policy": rows(pieces["trunk"])} if pieces["trunk"] else {},
+                       final_hidden=rows(pieces["final"]) if pieces["final"] else None)
+
+
+@contextmanager
+def kept_while_sampling(policy, fast: FastPaths | None):
+    """Keep what sampling computes anyway (#29), a piece per forward: the frozen blocks' output ("trunk") and the
+    final hidden states ("final"), as `fast.from_sampling` asks (`pieces["keep"]`). A KV cache's states are not
+    bit-identical to a full forward's: `sampled_states_are_exact` checks them at start-up."""
+    keep = fast.from_sampling if fast else ()
+    pieces = {"trunk": [], "final": [], "keep": keep}
+    hooks = ([transformer_blocks(policy)[1][fast.num_frozen["policy"] - 1].register_forward_hook(
+        lambda module, args, output: pieces["trunk"].append(output[0] if isinstance(output, tuple) else output))]
+        if "trunk" in keep else []) + ([unpeft(policy).base_model.register_forward_hook(
+            lambda module, args, output: pieces["final"].append(output.last_hidden_state))] if "final" in keep else [])
+    try:
+        yield pieces
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths, candidates: tuple,
+                             temperature: float) -> tuple:
+    """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and 4 sampled
+    tokens: "trunk" if the log-probs computed from it agree to `fused_head_is_exact`'s tolerance (sampling's own
+    log-probs differ from a full forward's as much), "final" if the hidden states do."""
+    fast = replace(fast, from_sampling=candidates)
+    with torch.no_grad(), kept_while_sampling(policy, fast) as pieces:
+        generator = torch.Generator().manual_seed(0)
+        responses = generate(policy, queries, pad_token_id, 4, temperature, generator=generator, feed_last=True)[0]
+    qr = torch.cat((queries, responses), 1)
+    kept, real = fast.kept(pieces, [responses.size(1)], qr.size(1)), qr != pad_token_id
+
+    def pair(name):
+        if name == "trunk":
+            return [response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature, paths)[0]
+                    for paths in (replace(kept, final_hidden=None), None)]
+        return kept.final_hidden[real], final_hidden_states(policy, qr, pad_token_id)[real]
+
+    with torch.no_grad():
+        return tuple(name for name in candidates if torch.allclose(*pair(name), rtol=1e-4, atol=1e-4))
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, fast: FastPaths | None = None):
@@ -1167,7 +1232,8 @@ def value_forward(value_model, query_responses, pad_token_id, context_length, fa
     """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
     on the policy, whose LM head does not run) or the value model's `score`."""
     trunk = fast.trunk("value" if head is None else "policy") if fast else None
-    hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)[:, context_length - 1 : -1]
+    hidden = (fast.final_hidden if head is not None and fast and fast.final_hidden is not None else
+              final_hidden_states(value_model, query_responses, pad_token_id, trunk))[:, context_length - 1 : -1]
     return (value_model.score if head is None else head)(hidden).squeeze(-1).float()
 
 
@@ -1199,9 +1265,10 @@ class PolicyAndValueWrapper(nn.Module):
 
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-             synced=False):
+             synced=False, feed_last=False):
     """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
-    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done; `feed_last`: the last
+    tokens go through the model too, so that every position's states pass `kept_while_sampling`'s hooks."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     out = policy(**inputs, use_cache=True, logits_to_keep=1)
@@ -1219,12 +1286,15 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         if synced:
             done = done.float()
             torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-        if step == response_length - 1 or done:
+        last = step == response_length - 1 or bool(done)
+        if last and not feed_last:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
+        if last:
+            break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
@@ -1288,6 +1358,14 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
                                                          args.temperature)
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
+    # states sampling computes anyway, where a KV cache reproduces them in this precision (DeepSpeed casts later)
+    candidates = tuple(n for n, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
+    if setup.zero3 or accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision != "no":
+        candidates = ()
+    with accelerator.autocast():
+        from_sampling = sampled_states_are_exact(policy, first_queries, setup.tokenizer.pad_token_id,
+                                                 FastPaths(num_frozen=num_frozen), candidates,
+                                                 args.temperature) if candidates else ()
     model = PolicyAndValueWrapper(policy, value_model, value_head)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -1301,7 +1379,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         for m in frozen_models:
             m.to(dtype)
     return Models(model, optimizer, policy, ref_policy, value_model, value_head,
-                  FastPaths(fused_head, num_frozen, value_shares_trunk))
+                  FastPaths(fused_head, num_frozen, value_shares_trunk, from_sampling))
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
@@ -1833,23 +1911,26 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses cut after the stop token, log-probs), sampled in chunks."""
+                     pad_token_id: int, stop_token_id: int | None, generator=None, fast: FastPaths | None = None):
+    """(responses cut after the stop token, log-probs, `fast` with the states kept while sampling), in chunks."""
     chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
+            kept_while_sampling(sampler, fast) as pieces:
         generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+                              stop_token_id, generator, synced, feed_last=bool(pieces["keep"]))
+                     for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    kept = fast.kept(pieces, [r.size(1) for r, _ in generated], queries.size(1) + responses.size(1)) if fast else None
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs
+    return responses, logprobs, kept
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int):
+                         context_length: int, args: Args, pad_token_id: int, kept: FastPaths):
     """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and the fast
-    paths with the frozen trunks this update's later forwards start from."""
+    paths with the frozen trunks this update's later forwards start from (`kept`: what sampling kept of them)."""
     ref_logprobs, values, fasts, full_kls = [], [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
@@ -1857,7 +1938,7 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
         # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-        fast = models.fast.with_trunks({"policy": policy, "value": value_model}, qr, pad_token_id)
+        fast = kept.rows(slice(i, i + chunk)).with_trunks({"policy": policy, "value": value_model}, qr, pad_token_id)
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())

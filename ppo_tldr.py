@@ -221,9 +221,11 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits): logsumexp(l) - sum(p * l), p = 0 columns (a finfo.min pad) left out of the sum."""
-    p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - torch.where(p > 0, p * logits, 0).sum(-1)
+    """Entropy of softmax(logits): -sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels to 5e-4
+    over a 49k vocabulary in float32); p = 0 columns (a finfo.min pad) left out of the sum."""
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, 0).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

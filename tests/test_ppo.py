@@ -376,6 +376,46 @@ def test_split_forward_is_refused_where_it_is_not_exact():
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch):
+    """#29: the frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
+    forward over two chunks of different widths, one stopping early, equal a full forward's at every real position;
+    the values and log-probs read from them agree; the probe accepts them, and refuses a cache that drifts."""
+    policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
+    queries = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16]], PAD)
+    fast = ppo.FastPaths(num_frozen={"policy": 1}, from_sampling=("trunk", "final"))
+    with torch.no_grad(), ppo.kept_while_sampling(policy, fast) as pieces:
+        chunks = [ppo.generate(policy, queries[i:i + 2], PAD, n, 0.7, stop_token_id=stop, feed_last=True,
+                               generator=torch.Generator().manual_seed(i))[0]
+                  for i, n, stop in ((0, 6, None), (2, 6, 7))]  # the second stops at its 7s (or runs 6 tokens)
+    responses = ppo.pad_right(chunks, PAD)
+    qr = torch.cat((queries, ppo.truncate_response(7, PAD, responses)), 1)
+    kept = fast.kept(pieces, [c.size(1) for c in chunks], qr.size(1))
+    real = qr != PAD
+    with torch.no_grad():
+        torch.testing.assert_close(kept.trunks["policy"][real], ppo.frozen_trunk(policy, qr, PAD, 1)[real],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kept.final_hidden[real], ppo.final_hidden_states(policy, qr, PAD)[real],
+                                   rtol=1e-5, atol=1e-5)
+        head = torch.nn.Linear(32, 1)
+        torch.testing.assert_close(ppo.value_forward(policy, qr, PAD, 5, kept, head),
+                                   ppo.value_forward(policy, qr, PAD, 5, None, head), rtol=1e-5, atol=1e-5)
+        ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
+        torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, kept)[0],
+                                   ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
+    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7) == ("trunk", "final")
+    drift = torch.linspace(-0.1, 0.1, 32)  # a cache that drifts: decoding steps (1 token) come out shifted
+
+    def drifting(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hidden.size(1) == 1:
+            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
+
+    hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(drifting)
+    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7) == ()
+    hook.remove()
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_fused_head_matches_the_models_own_head(tmp_path, arch):
     """The fused LM-head path (ppo.py's default) gives the log-probs, entropies and their gradients of the model's own
     logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
