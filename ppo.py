@@ -486,6 +486,7 @@ def main(args: Args) -> None:
             # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
             ref_logprobs, values, full_kl_per_token, fast = reference_and_values(
                 models, query_responses, response_ids, context_length, args, pad_token_id, kept)
+            del kept  # read: its trunk lives on in `fast`
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
             time_scoring = time.perf_counter() - timer - time_generation
@@ -604,7 +605,7 @@ def main(args: Args) -> None:
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
                 **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
-        del (query_responses, responses, response_ids, kept, fast, logprobs, ref_logprobs, values,
+        del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
              rewards, advantages, returns, rollout)
     run_log.close()
     save_models(accelerator, model, args, setup, console)
@@ -1045,6 +1046,7 @@ class FastPaths:
     num_frozen: dict = field(default_factory=dict)  # "policy"/"value": the bottom blocks no forward needs to rerun
     value_shares_trunk: bool = False  # the value model starts from the policy's weights: one trunk serves both
     from_sampling: tuple = ()  # what sampling keeps of the policy's states: "trunk", "final" (for a value head)
+    refused: tuple = ()  # what it would keep, had the start-up check found it close to a full forward
     trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
     final_hidden: torch.Tensor | None = None  # the policy's, kept while sampling, until the values are read
 
@@ -1069,16 +1071,22 @@ class FastPaths:
     def describe(self) -> str:
         """The banner's line: the paths the start-up checks found exact (the others compute in full)."""
         trunks = ", ".join(f"{name} {n} blocks" for name, n in self.num_frozen.items()) or "none"
+        refused = f" (refused, a KV cache's differ here: {', '.join(self.refused)})" if self.refused else ""
         return (f"fast paths: fused LM head {'on' if self.fused_head else 'off'}; frozen trunks: {trunks}; kept "
-                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}")
+                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}{refused}")
 
     def kept(self, pieces: dict, lengths: list[int], total_length: int) -> "FastPaths":
         """These paths with the states `kept_while_sampling` kept while chunks of `lengths` new tokens were sampled
         (`generate(feed_last=True)`): the prefill's, then one piece per token; a chunk's padding gets zeros."""
         def rows(kept: list):
-            ends = np.cumsum([0] + [n + 1 for n in lengths])  # a chunk's pieces: its prefill, then one per token
-            chunks = [torch.cat(kept[a:b], 1) for a, b in zip(ends[:-1], ends[1:])]
-            return torch.cat([F.pad(h, (0, 0, 0, total_length - h.size(1))) for h in chunks])
+            starts = np.cumsum([0] + [n + 1 for n in lengths])[:-1]  # a chunk's prefill, then a piece per token
+            out = kept[0].new_zeros(sum(kept[i].size(0) for i in starts), total_length, kept[0].size(-1))
+            row = 0
+            for i, n in zip(starts, lengths):
+                out[row:row + kept[i].size(0), :kept[i].size(1) + n] = torch.cat(kept[i:i + n + 1], 1)
+                row += kept[i].size(0)
+            kept.clear()
+            return out
         return replace(self, trunks={"policy": rows(pieces["trunk"])} if pieces["trunk"] else {},
                        final_hidden=rows(pieces["final"]) if pieces["final"] else None)
 
@@ -1102,21 +1110,22 @@ def kept_while_sampling(policy, fast: FastPaths | None):
 
 
 def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths, candidates: tuple,
-                             temperature: float) -> tuple:
-    """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and 4 sampled
-    tokens: "trunk" if the log-probs computed from it agree to `fused_head_is_exact`'s tolerance (sampling's own
-    log-probs differ from a full forward's as much), "final" if the hidden states do."""
+                             temperature: float, response_length: int, stop_token_id: int | None) -> tuple:
+    """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and responses
+    sampled as in a rollout: "trunk" if the log-probs computed from it (the policy's, and at start the reference's)
+    agree to `fused_head_is_exact`'s tolerance (sampling's own log-probs differ as much), "final" if the states do."""
     fast = replace(fast, from_sampling=candidates)
     with torch.no_grad(), kept_while_sampling(policy, fast) as pieces:
-        generator = torch.Generator().manual_seed(0)
-        responses = generate(policy, queries, pad_token_id, 4, temperature, generator=generator, feed_last=True)[0]
+        generator = torch.Generator(queries.device).manual_seed(0)
+        responses = generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id, generator,
+                             feed_last=True)[0]
     qr = torch.cat((queries, responses), 1)
     kept, real = fast.kept(pieces, [responses.size(1)], qr.size(1)), qr != pad_token_id
 
     def pair(name):
         if name == "trunk":
-            return [response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature, paths)[0]
-                    for paths in (replace(kept, final_hidden=None), None)]
+            return [response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature, paths)[0][
+                real[:, queries.size(1):]] for paths in (replace(kept, final_hidden=None), None)]
         return kept.final_hidden[real], final_hidden_states(policy, qr, pad_token_id)[real]
 
     with torch.no_grad():
@@ -1358,14 +1367,6 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
                                                          args.temperature)
     # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
     value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
-    # states sampling computes anyway, where a KV cache reproduces them in this precision (DeepSpeed casts later)
-    candidates = tuple(n for n, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
-    if setup.zero3 or accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision != "no":
-        candidates = ()
-    with accelerator.autocast():
-        from_sampling = sampled_states_are_exact(policy, first_queries, setup.tokenizer.pad_token_id,
-                                                 FastPaths(num_frozen=num_frozen), candidates,
-                                                 args.temperature) if candidates else ()
     model = PolicyAndValueWrapper(policy, value_model, value_head)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -1378,8 +1379,17 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
-    return Models(model, optimizer, policy, ref_policy, value_model, value_head,
-                  FastPaths(fused_head, num_frozen, value_shares_trunk, from_sampling))
+    # states sampling computes anyway (#29), kept where a KV cache gives a full forward's on this device, in this
+    # precision, over a rollout's length (bf16 drifts after about 10 tokens)
+    candidates = () if setup.zero3 else tuple(
+        name for name, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
+    probe_queries = left_pad(setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id).to(accelerator.device)
+    with accelerator.autocast():
+        kept = sampled_states_are_exact(policy, probe_queries, setup.tokenizer.pad_token_id, FastPaths(
+            num_frozen=num_frozen), candidates, args.temperature, args.response_length, setup.stop_token_id) \
+            if candidates else ()
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head, FastPaths(
+        fused_head, num_frozen, value_shares_trunk, kept, tuple(name for name in candidates if name not in kept)))
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):

@@ -663,8 +663,7 @@ def set_up(args: Args) -> Setup:
                  stop_token_id, train_dataset, eval_dataset)
 
 
-# ---- TL;DR queries (N+ details 1-4) ----------------------------------------------------------------------------------
-# TL;DR data: queries, references, loading (tests/test_tldr.py checks each)
+# ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
 def format_query(subreddit: str, title: str, post: str) -> str:
     return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
 
@@ -927,6 +926,7 @@ def load_models(args: Args, setup: Setup):
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+# differs from ppo.py: nothing kept while sampling (no frozen trunk, no value head on the policy)
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""

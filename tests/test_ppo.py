@@ -402,7 +402,8 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch):
         ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
         torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, kept)[0],
                                    ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
-    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7) == ("trunk", "final")
+    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == (
+        "trunk", "final")
     drift = torch.linspace(-0.1, 0.1, 32)  # a cache that drifts: decoding steps (1 token) come out shifted
 
     def drifting(module, args, out):
@@ -411,8 +412,11 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch):
             return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
 
     hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(drifting)
-    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7) == ()
+    assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == ()
     hook.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: a KV cache drifts from a full forward over a rollout
+        assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 32, None) != (
+            "trunk", "final")
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
