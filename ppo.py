@@ -1094,14 +1094,15 @@ class FastPaths:
 @contextmanager
 def kept_while_sampling(policy, fast: FastPaths | None):
     """Keep what sampling computes anyway (#29), a piece per forward: the frozen blocks' output ("trunk") and the
-    final hidden states ("final"), as `fast.from_sampling` asks (`pieces["keep"]`). A KV cache's states are not
-    bit-identical to a full forward's: `sampled_states_are_exact` checks them at start-up."""
-    keep = fast.from_sampling if fast else ()
-    pieces = {"trunk": [], "final": [], "keep": keep}
-    hooks = ([transformer_blocks(policy)[1][fast.num_frozen["policy"] - 1].register_forward_hook(
-        lambda module, args, output: pieces["trunk"].append(output[0] if isinstance(output, tuple) else output))]
-        if "trunk" in keep else []) + ([unpeft(policy).base_model.register_forward_hook(
-            lambda module, args, output: pieces["final"].append(output.last_hidden_state))] if "final" in keep else [])
+    final hidden states ("final"), as `fast.from_sampling` asks. A KV cache's states are not bit-identical to a
+    full forward's: `sampled_states_are_exact` checks them at start-up."""
+    keep, pieces, hooks = fast.from_sampling if fast else (), {"trunk": [], "final": []}, []
+    if "trunk" in keep:
+        hooks.append(transformer_blocks(policy)[1][fast.num_frozen["policy"] - 1].register_forward_hook(
+            lambda module, args, output: pieces["trunk"].append(output[0] if isinstance(output, tuple) else output)))
+    if "final" in keep:
+        hooks.append(unpeft(policy).base_model.register_forward_hook(
+            lambda module, args, output: pieces["final"].append(output.last_hidden_state)))
     try:
         yield pieces
     finally:
@@ -1927,7 +1928,7 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
             kept_while_sampling(sampler, fast) as pieces:
         generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced, feed_last=bool(pieces["keep"]))
+                              stop_token_id, generator, synced, feed_last=bool(fast and fast.from_sampling))
                      for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
@@ -1968,7 +1969,9 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
         values.append(value_forward(value_model, qr, pad_token_id, context_length, fast) if value_head is None
                       else value_forward(policy, qr, pad_token_id, context_length, fast, value_head))
         fasts.append(fast)
-    fast = replace(models.fast, trunks={k: torch.cat([f.trunks[k] for f in fasts]) for k in fasts[0].trunks})
+    # a trunk sampling kept is already whole: no second copy of it
+    fast = replace(models.fast, trunks={k: kept.trunks[k] if k in kept.trunks else
+                                        torch.cat([f.trunks[k] for f in fasts]) for k in fasts[0].trunks})
     return torch.cat(ref_logprobs), torch.cat(values), torch.cat(full_kls) if full else None, fast
 
 
