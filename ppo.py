@@ -1143,21 +1143,39 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, fast: F
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time: no
-    (rows, vocab) tensor outlives its chunk; the backward recomputes the logits. Both carry their gradients."""
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time in two buffers
+    that every chunk reuses: no (rows, vocab) tensor is allocated per chunk, and the backward recomputes the logits.
+    Both outputs carry their gradients."""
+
+    @staticmethod
+    def logits(h, weight, temperature, pad_token_id, buffer):
+        """scale_logits(h @ weight.T); without autocast, in `buffer`, scaled in place (`fused_head_is_exact` checks
+        it) and as the transpose of weight @ h.T, which CPU BLAS runs at up to 1.7x the rate (benchmarks/README)."""
+        out = buffer[:weight.size(0) * h.size(0)].view(weight.size(0), h.size(0))
+        if torch.is_autocast_enabled(h.device.type) or not h.dtype == weight.dtype == out.dtype:
+            return scale_logits(h @ weight.T, temperature, pad_token_id)
+        logits = torch.mm(weight, h.T, out=out).T.div_(temperature + 1e-7)
+        if pad_token_id < logits.size(-1):
+            logits[:, pad_token_id] = torch.finfo(logits.dtype).min
+        return logits
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
         logprobs, lses, entropies = [], [], []
+        buffer, scratch = hidden.new_empty(2, min(chunk_rows, hidden.size(0)) * weight.size(0),
+                                           dtype=torch.promote_types(hidden.dtype, torch.float32))
         for start in range(0, hidden.size(0), chunk_rows):
-            logits = scale_logits(hidden[start:start + chunk_rows] @ weight.T, temperature, pad_token_id)
-            lse = torch.logsumexp(logits, dim=-1)
-            tok = tokens[start:start + chunk_rows].unsqueeze(-1)
-            logprobs.append(logits.gather(-1, tok).squeeze(-1) - lse)
+            logits = HeadLogprobs.logits(hidden[start:start + chunk_rows], weight, temperature, pad_token_id, buffer)
+            m = logits.amax(-1, keepdim=True)  # logsumexp: l - m in the scratch buffer, exp(l - m) over the logits
+            shifted = torch.sub(logits, m, out=scratch[:logits.numel()].view(logits.size(1), logits.size(0)).T)
+            picked = logits.gather(-1, tokens[start:start + chunk_rows].unsqueeze(-1)).squeeze(-1)
+            e = torch.exp(shifted, out=logits)
+            s = e.sum(-1)
+            lse = s.log().add_(m.squeeze(-1))
+            logprobs.append(picked - lse)
             lses.append(lse)
-            if with_entropy:  # -sum p log p, with log p formed in place
-                logp = logits.sub_(lse.unsqueeze(-1))
-                entropies.append(-logp.exp().mul_(logp).sum(-1))
+            if with_entropy:  # -sum p log p = log s + sum e (m - l) / s: two terms >= 0, nothing cancels
+                entropies.append(s.log() - shifted.mul_(e).sum(-1) / s)
         lse = torch.cat(lses)
         entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
@@ -1176,19 +1194,22 @@ class HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                   device=weight.device) if ctx.needs_input_grad[1] else None
+        buffer, scratch = hidden.new_empty(2, min(ctx.chunk_rows, hidden.size(0)) * weight.size(0),
+                                           dtype=lse.dtype)
         for start in range(0, hidden.size(0), ctx.chunk_rows):
             stop = start + ctx.chunk_rows
             h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
             # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
             # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
             with torch.autocast(**ctx.autocast):
-                logits = scale_logits(h @ weight.T, ctx.temperature, ctx.pad_token_id)
+                logits = HeadLogprobs.logits(h, weight, ctx.temperature, ctx.pad_token_id, buffer)
             logp = logits.sub_(lse[start:stop].unsqueeze(-1))
             if grad_entropy is None:
                 grad = logp.exp_().mul_(-g)
             else:  # and d entropy / d logits = -p (log p + entropy), formed as p (...) first: 0 in the pad column
-                p, g_entropy = logp.exp(), grad_entropy[start:stop].unsqueeze(-1)
-                grad = logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(g_entropy).add_(p.mul_(g)).neg_()
+                p = torch.exp(logp, out=scratch[:logp.numel()].view(logp.size(1), logp.size(0)).T)
+                grad = logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(
+                    grad_entropy[start:stop].unsqueeze(-1)).add_(p.mul_(g)).neg_()
             grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
             grad = grad.to(weight.dtype)
             if grad_hidden is not None:
@@ -1199,10 +1220,11 @@ class HeadLogprobs(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**23):
     """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
     shape = tokens.shape
     chunk_rows = max(1, chunk_elements // weight.size(0))
+    chunk_rows = chunk_rows // 64 * 64 or chunk_rows  # whole blocks of 64 rows, BLAS's fastest (benchmarks/README)
     logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
                                            temperature, pad_token_id, chunk_rows, with_entropy)
     return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
