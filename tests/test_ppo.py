@@ -646,3 +646,6 @@ def test_default_run_shortened(tmp_path):
     assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
     assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"
+    # every fast path passes its start-up check on the default model (#29: a refused fused head went unseen)
+    assert ("fast paths: fused LM head on; frozen trunks: policy 24 blocks; kept while sampling: trunk, final"
+            in " ".join(proc.stdout.split()))
