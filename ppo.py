@@ -1160,6 +1160,11 @@ class HeadLogprobs(torch.autograd.Function):
         return logits
 
     @staticmethod
+    def like(buffer, t):
+        """A view of `buffer` with `t`'s shape and layout (a chunk's logits are a transposed view)."""
+        return buffer[:t.numel()].as_strided(t.shape, t.stride())
+
+    @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
         logprobs, lses, entropies = [], [], []
         buffer, scratch = hidden.new_empty(2, min(chunk_rows, hidden.size(0)) * weight.size(0),
@@ -1167,7 +1172,7 @@ class HeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk_rows):
             logits = HeadLogprobs.logits(hidden[start:start + chunk_rows], weight, temperature, pad_token_id, buffer)
             m = logits.amax(-1, keepdim=True)  # logsumexp: l - m in the scratch buffer, exp(l - m) over the logits
-            shifted = torch.sub(logits, m, out=scratch[:logits.numel()].view(logits.size(1), logits.size(0)).T)
+            shifted = torch.sub(logits, m, out=HeadLogprobs.like(scratch, logits))
             picked = logits.gather(-1, tokens[start:start + chunk_rows].unsqueeze(-1)).squeeze(-1)
             e = torch.exp(shifted, out=logits)
             s = e.sum(-1)
@@ -1207,7 +1212,7 @@ class HeadLogprobs(torch.autograd.Function):
             if grad_entropy is None:
                 grad = logp.exp_().mul_(-g)
             else:  # and d entropy / d logits = -p (log p + entropy), formed as p (...) first: 0 in the pad column
-                p = torch.exp(logp, out=scratch[:logp.numel()].view(logp.size(1), logp.size(0)).T)
+                p = torch.exp(logp, out=HeadLogprobs.like(scratch, logp))
                 grad = logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(
                     grad_entropy[start:stop].unsqueeze(-1)).add_(p.mul_(g)).neg_()
             grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
