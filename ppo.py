@@ -1143,95 +1143,96 @@ def policy_logits(policy, query_responses, pad_token_id, context_length, fast: F
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a chunk of rows at a time in two buffers
-    that every chunk reuses: no (rows, vocab) tensor is allocated per chunk, and the backward recomputes the logits.
-    Both outputs carry their gradients."""
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a block of the vocabulary at a time for all
+    rows, with a running logsumexp (flash attention's online softmax): a block's logits and exponentials, in two
+    buffers every block reuses, are the only (words, rows) tensors. The backward recomputes them. Both outputs carry
+    their gradients."""
 
     @staticmethod
-    def logits(h, weight, temperature, pad_token_id, buffer):
-        """scale_logits(h @ weight.T); without autocast, in `buffer`, scaled in place (`fused_head_is_exact` checks
-        it) and as the transpose of weight @ h.T, which CPU BLAS runs at up to 1.7x the rate (benchmarks/README)."""
-        out = buffer[:weight.size(0) * h.size(0)].view(weight.size(0), h.size(0))
-        if torch.is_autocast_enabled(h.device.type) or not h.dtype == weight.dtype == out.dtype:
-            return scale_logits(h @ weight.T, temperature, pad_token_id)
-        logits = torch.mm(weight, h.T, out=out).T.div_(temperature + 1e-7)
-        if pad_token_id < logits.size(-1):
-            logits[:, pad_token_id] = torch.finfo(logits.dtype).min
-        return logits
+    def logits(hidden, weight, start, temperature, pad_token_id, buffer):
+        """scale_logits(hidden @ weight.T).T for a block of words, the first being word `start`, in `buffer`; the
+        temperature applied inside the product, except under autocast, where the product rounds first as in the
+        model."""
+        out = buffer[:weight.size(0) * hidden.size(0)].view(weight.size(0), hidden.size(0))
+        if torch.is_autocast_enabled(hidden.device.type) or not hidden.dtype == weight.dtype == out.dtype:
+            out.copy_((hidden @ weight.T).T).div_(temperature + 1e-7)
+        else:
+            torch.addmm(out, weight, hidden.T, beta=0, alpha=1 / (temperature + 1e-7), out=out)
+        if 0 <= pad_token_id - start < out.size(0):
+            out[pad_token_id - start] = torch.finfo(out.dtype).min
+        return out
 
     @staticmethod
-    def like(buffer, t):
-        """A view of `buffer` with `t`'s shape and layout (a chunk's logits are a transposed view)."""
-        return buffer[:t.numel()].as_strided(t.shape, t.stride())
+    def in_block(tokens, start, words):
+        """(each row's token as a row of this block, clamped into it; whether it is in the block)."""
+        local = tokens - start
+        return local.clamp(0, words - 1).unsqueeze(0), (local >= 0) & (local < words)
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, chunk_rows, with_entropy):
-        logprobs, lses, entropies = [], [], []
-        buffer, scratch = hidden.new_empty(2, min(chunk_rows, hidden.size(0)) * weight.size(0),
-                                           dtype=torch.promote_types(hidden.dtype, torch.float32))
-        for start in range(0, hidden.size(0), chunk_rows):
-            logits = HeadLogprobs.logits(hidden[start:start + chunk_rows], weight, temperature, pad_token_id, buffer)
-            m = logits.amax(-1, keepdim=True)  # logsumexp: l - m in the scratch buffer, exp(l - m) over the logits
-            shifted = torch.sub(logits, m, out=HeadLogprobs.like(scratch, logits))
-            picked = logits.gather(-1, tokens[start:start + chunk_rows].unsqueeze(-1)).squeeze(-1)
-            e = torch.exp(shifted, out=logits)
-            s = e.sum(-1)
-            lse = s.log().add_(m.squeeze(-1))
-            logprobs.append(picked - lse)
-            lses.append(lse)
-            if with_entropy:  # -sum p log p = log s + sum e (m - l) / s: two terms >= 0, nothing cancels
-                entropies.append(s.log() - shifted.mul_(e).sum(-1) / s)
-        lse = torch.cat(lses)
-        entropy = torch.cat(entropies) if with_entropy else lse.new_zeros(0)
+    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, block, with_entropy):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        buffer, scratch = (hidden.new_empty(block * hidden.size(0), dtype=dtype) for _ in range(2))
+        m = hidden.new_full((hidden.size(0),), torch.finfo(dtype).min, dtype=dtype)  # running max, sum of exp(l - m)
+        s, u, picked = (hidden.new_zeros(hidden.size(0), dtype=dtype) for _ in range(3))  # u: sum of exp(l - m) (m - l)
+        for start in range(0, weight.size(0), block):
+            logits = HeadLogprobs.logits(hidden, weight[start:start + block], start, temperature, pad_token_id, buffer)
+            local, found = HeadLogprobs.in_block(tokens, start, logits.size(0))
+            picked = torch.where(found, logits.gather(0, local).squeeze(0), picked)
+            new_m = torch.maximum(m, logits.amax(0))
+            rescale = torch.exp(m - new_m)  # the earlier blocks' sums at the new maximum (0 before the first block)
+            shifted = logits.sub_(new_m)
+            e = torch.exp(shifted, out=scratch[:shifted.numel()].view_as(shifted))
+            if with_entropy:  # -sum p log p = log s + u / s: every term >= 0, nothing cancels
+                u = rescale * (u + (new_m - m) * s) - shifted.mul_(e).sum(0)
+            s, m = s * rescale + e.sum(0), new_m
+        lse = s.log() + m
+        entropy = s.log() + u / s if with_entropy else lse.new_zeros(0)
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
-        ctx.temperature, ctx.pad_token_id, ctx.chunk_rows = temperature, pad_token_id, chunk_rows
+        ctx.temperature, ctx.pad_token_id, ctx.block = temperature, pad_token_id, block
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
         ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
                             dtype=torch.get_autocast_dtype(device))
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
-        return torch.cat(logprobs), entropy
+        return picked - lse, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, tokens, lse, entropy = ctx.saved_tensors
-        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                                  device=weight.device) if ctx.needs_input_grad[1] else None
-        buffer, scratch = hidden.new_empty(2, min(ctx.chunk_rows, hidden.size(0)) * weight.size(0),
-                                           dtype=lse.dtype)
-        for start in range(0, hidden.size(0), ctx.chunk_rows):
-            stop = start + ctx.chunk_rows
-            h, g = hidden[start:stop], grad_logprobs[start:stop].unsqueeze(-1)
-            # d logprob / d logits = (onehot(token) - softmax) / T; the pad column's softmax is exactly 0. The backward
-            # runs outside autocast: logits recomputed in float32 would not match the saved logsumexp of bf16 logits.
+        # d logprob / d logits = (onehot(token) - softmax) / T; the pad word's softmax is exactly 0
+        g = (torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs) / (ctx.temperature + 1e-7)
+        ge = grad_entropy / (ctx.temperature + 1e-7) if grad_entropy is not None else None
+        grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
+        for start in range(0, weight.size(0), ctx.block):
+            w = weight[start:start + ctx.block]
+            # the backward runs outside autocast: logits recomputed in float32 would not match the saved logsumexp
+            # of bf16 logits
             with torch.autocast(**ctx.autocast):
-                logits = HeadLogprobs.logits(h, weight, ctx.temperature, ctx.pad_token_id, buffer)
-            logp = logits.sub_(lse[start:stop].unsqueeze(-1))
-            if grad_entropy is None:
+                logp = HeadLogprobs.logits(hidden, w, start, ctx.temperature, ctx.pad_token_id, buffer).sub_(lse)
+            if ge is None:
                 grad = logp.exp_().mul_(-g)
-            else:  # and d entropy / d logits = -p (log p + entropy), formed as p (...) first: 0 in the pad column
-                p = torch.exp(logp, out=HeadLogprobs.like(scratch, logp))
-                grad = logp.add_(entropy[start:stop].unsqueeze(-1)).mul_(p).mul_(
-                    grad_entropy[start:stop].unsqueeze(-1)).add_(p.mul_(g)).neg_()
-            grad.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g).div_(ctx.temperature + 1e-7)
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad, weight, out=grad_hidden[start:stop])
+            else:  # and d entropy / d logits = -p (log p + entropy) / T, formed as p (...) first: 0 for the pad word
+                p = torch.exp(logp, out=scratch[:logp.numel()].view_as(logp))
+                grad = logp.add_(entropy).mul_(p).mul_(ge).add_(p.mul_(g)).neg_()
+            local, found = HeadLogprobs.in_block(tokens, start, w.size(0))
+            grad.scatter_add_(0, local, torch.where(found, g, 0).unsqueeze(0))
+            if grad_hidden is not None:  # summed over the blocks, in float32
+                grad_hidden.addmm_(grad.T, w.to(grad.dtype), beta=start > 0)
             if grad_weight is not None:
-                grad_weight.addmm_(grad.T.to(grad_weight.dtype), h.to(grad_weight.dtype))
-        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
-                None, None, None, None, None)
+                torch.mm(grad, hidden.to(grad.dtype), out=grad_weight[start:start + ctx.block])
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None)
 
 
-def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**23):
-    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`."""
-    shape = tokens.shape
-    chunk_rows = max(1, chunk_elements // weight.size(0))
-    chunk_rows = chunk_rows // 64 * 64 or chunk_rows  # whole blocks of 64 rows, BLAS's fastest (benchmarks/README)
-    logprobs, entropy = HeadLogprobs.apply(hidden.reshape(-1, hidden.size(-1)), weight, tokens.reshape(-1),
-                                           temperature, pad_token_id, chunk_rows, with_entropy)
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
+    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`, in blocks
+    of about `chunk_elements` logits."""
+    shape, hidden = tokens.shape, hidden.reshape(-1, hidden.size(-1))
+    block = max(1, chunk_elements // max(1, hidden.size(0)))  # words per block
+    logprobs, entropy = HeadLogprobs.apply(hidden, weight, tokens.reshape(-1), temperature, pad_token_id, block,
+                                           with_entropy)
     return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
 
 

@@ -353,11 +353,11 @@ def naive_logp_and_entropy(logits: list[float], k: int) -> tuple[float, float]:
     return logits[k] - log_z, -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
 
 
-HEAD_CASES = [  # (rows, hidden, vocab, pad, chunk_elements)
-    (5, 3, 7, 7, 7),  # pad outside the vocabulary, one row per chunk
-    (6, 4, 9, 2, 20),  # pad inside, 2 rows per chunk
-    (4, 2, 5, 4, 10**6),  # pad the last column, everything in one chunk
-    (7, 3, 6, 0, 18),  # 3 rows per chunk, the last chunk short
+HEAD_CASES = [  # (rows, hidden, vocab, pad, chunk_elements): chunk_elements // rows words per block
+    (5, 3, 7, 7, 7),  # pad outside the vocabulary, one word per block
+    (6, 4, 9, 2, 20),  # pad inside, 3 words per block
+    (4, 2, 5, 4, 10**6),  # pad the last column, the whole vocabulary in one block
+    (7, 3, 6, 0, 28),  # 4 words per block, the last block short
 ]
 
 
