@@ -358,6 +358,7 @@ HEAD_CASES = [  # (rows, hidden, vocab, pad, chunk_elements): chunk_elements // 
     (6, 4, 9, 2, 20),  # pad inside, 3 words per block
     (4, 2, 5, 4, 10**6),  # pad the last column, the whole vocabulary in one block
     (7, 3, 6, 0, 28),  # 4 words per block, the last block short
+    (5, 3, 7, 0, 5),  # the pad alone in the first block: the running sums start from a block with no word
 ]
 
 
