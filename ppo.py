@@ -1205,6 +1205,7 @@ class HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
+        hidden_float = hidden.to(lse.dtype)  # for the weight gradient: a copy once, not per block, if not float32
         for start in range(0, weight.size(0), ctx.block):
             w = weight[start:start + ctx.block]
             # the backward runs outside autocast: logits recomputed in float32 would not match the saved logsumexp
@@ -1221,7 +1222,7 @@ class HeadLogprobs(torch.autograd.Function):
             if grad_hidden is not None:  # summed over the blocks, in float32
                 grad_hidden.addmm_(grad.T, w.to(grad.dtype), beta=start > 0)
             if grad_weight is not None:
-                torch.mm(grad, hidden.to(grad.dtype), out=grad_weight[start:start + ctx.block])
+                torch.mm(grad, hidden_float, out=grad_weight[start:start + ctx.block])
         return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None)
 
