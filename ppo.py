@@ -152,8 +152,6 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
     learning_rate: Annotated[float, "[0, inf)"] = 1e-4
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
-    lr_warmup_steps: Annotated[int, "[0, inf)"] = 0
-    """optimizer steps over which the learning rate rises linearly from 1/N of it (0: none; TRL counted updates)"""
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
@@ -337,12 +335,6 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
-def learning_rate(lr: float, warmup_steps: int, step: int, update: int, num_updates: int) -> float:
-    """Optimizer step `step`'s (0-based, over the run) learning rate: a linear warm-up, since Adam's first steps move
-    every weight by about lr, times the linear anneal to 0, per update (N+ detail 29)."""
-    return min(1.0, (step + 1) / max(warmup_steps, 1)) * (1.0 - (update - 1.0) / num_updates) * lr
-
-
 def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float, num_episodes: int) -> float:
     """Ziegler et al.'s controller: beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
     proportional_error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
@@ -470,6 +462,10 @@ def main(args: Args) -> None:
         run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
+        # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
+        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
                                   args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
@@ -532,10 +528,6 @@ def main(args: Args) -> None:
             b_inds = np.random.permutation(sizes.local_batch_size)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                step = ((update - 1) * args.num_ppo_epochs + ppo_epoch_idx) * args.num_mini_batches + minibatch_idx
-                for group in optimizer.param_groups:  # set here: a torch LR scheduler's value would be overwritten
-                    group["lr"] = lr = learning_rate(args.learning_rate, args.lr_warmup_steps, step, update,
-                                                     sizes.num_updates)
                 micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
                 if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,

@@ -812,22 +812,3 @@ def test_pad_right(seed, dtype, value):
             expected.append(r + [value] * (width - len(r)))
     assert out.dtype == dtype and out.shape == (sum(s[0] for s in shapes), width)
     assert out.tolist() == expected
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# The learning-rate schedule: warm-up per optimizer step, anneal per update
-# ------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("warmup, num_updates, epochs, minibatches", [(0, 3, 1, 4), (1, 2, 2, 2), (5, 3, 2, 2),
-                                                                     (16, 4, 1, 16), (100, 2, 1, 8)])
-def test_learning_rate_schedule_against_a_step_counter(warmup, num_updates, epochs, minibatches):
-    counter = 0  # the run's optimizer steps so far, counted one by one
-    for update in range(1, num_updates + 1):
-        for epoch in range(epochs):
-            for minibatch in range(minibatches):
-                counter += 1
-                ramp = 1.0 if warmup == 0 else min(1.0, counter / warmup)
-                expected = 3e-4 * ramp * (num_updates - update + 1) / num_updates
-                step = ((update - 1) * epochs + epoch) * minibatches + minibatch
-                assert ppo.learning_rate(3e-4, warmup, step, update, num_updates) == pytest.approx(expected, 1e-12)
-    # no warm-up: the first step already runs at the full rate; a warm-up of N: step 0 at 1/N of it
-    assert ppo.learning_rate(1.0, 0, 0, 1, 5) == 1.0 and ppo.learning_rate(1.0, 4, 0, 1, 5) == 0.25
