@@ -599,7 +599,10 @@ def main(args: Args) -> None:
                                        sizes.batch_size)
         run_log.log(update, metrics)
 
-        # 8. Save a resumable checkpoint every --save-every updates and after the last
+        # 8. Save a resumable checkpoint every --save-every updates and after the last, the models first: a disk that
+        # fills up while the larger checkpoint is written then still keeps the trained policy
+        if update == sizes.num_updates:
+            save_models(accelerator, model, args, setup, console)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
@@ -608,7 +611,6 @@ def main(args: Args) -> None:
         del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
              rewards, advantages, returns, rollout)
     run_log.close()
-    save_models(accelerator, model, args, setup, console)
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

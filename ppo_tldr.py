@@ -466,10 +466,12 @@ def main(args: Args) -> None:
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
 
-        # 9. Logging, checkpoint
+        # 9. Logging, checkpoint; after the last update the models first (a full disk then still keeps the policy)
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
+        if update == sizes.num_updates:
+            save_models(accelerator, model, setup.output_dir, console)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
@@ -477,8 +479,7 @@ def main(args: Args) -> None:
         del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
     run_log.close()
 
-    # 10. Save policy and value; every process leaves together (one exiting while gloo/NCCL threads run can abort)
-    save_models(accelerator, model, setup.output_dir, console)
+    # 10. Every process leaves together (one exiting while gloo/NCCL threads run can abort)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

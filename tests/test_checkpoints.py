@@ -107,6 +107,15 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(assets, tmp_pa
     assert len(list(checkpoints.glob("update-*"))) == 2 and not any(checkpoints.glob(".tmp-update-*"))
 
 
+def test_a_failed_last_checkpoint_still_leaves_the_trained_models(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the folder goes, so the checkpoint write fails (as on a full disk)")
+    proc, rows = run_ppo(args_for(assets, "--total-episodes", "16"), out, check=False)
+    assert proc.returncode != 0 and [r["update"] for r in rows] == [1]  # trained, then failed at the checkpoint
+    assert (out / "model.safetensors").is_file() and (out / "value_model" / "model.safetensors").is_file()
+
+
 def test_resume_with_other_batch_settings_is_refused(assets, tmp_path):
     run_ppo(args_for(assets, "--total-episodes", "16"), tmp_path / "run")
     proc, _ = run_ppo(args_for(assets, "--total-episodes", "16", "--per-device-train-batch-size", "2", "--resume",
