@@ -599,8 +599,7 @@ def main(args: Args) -> None:
                                        sizes.batch_size)
         run_log.log(update, metrics)
 
-        # 8. Save a resumable checkpoint every --save-every updates and after the last, the models first: a disk that
-        # fills up while the larger checkpoint is written then still keeps the trained policy
+        # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
         if update == sizes.num_updates:
             save_models(accelerator, model, args, setup, console)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
@@ -1207,7 +1206,8 @@ class HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
-        hidden_float = hidden.to(lse.dtype)  # for the weight gradient: a copy once, not per block, if not float32
+        # for the weight gradient: cast once, not per block (a copy when the states are not float32)
+        hidden_float = hidden.to(lse.dtype) if grad_weight is not None else None
         for start in range(0, weight.size(0), ctx.block):
             w = weight[start:start + ctx.block]
             # the backward runs outside autocast: logits recomputed in float32 would not match the saved logsumexp
