@@ -459,7 +459,7 @@ def main(args: Args) -> None:
     start_time = time.time()
     run_log.progress.start()
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
-        run_log.log(0, {"episode": 0, **evaluate(accelerator, model, args, setup, eval_queries, 0, console)})
+        run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
@@ -591,7 +591,7 @@ def main(args: Args) -> None:
             metrics["objective/score_running_mean"] = score_moments.mean
             metrics["objective/score_running_std"] = score_moments.std
         if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, model, args, setup, eval_queries, update, console))
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
@@ -1050,6 +1050,7 @@ class FastPaths:
     refused: tuple = ()  # what it would keep, had the start-up check found it close to a full forward
     trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
     final_hidden: torch.Tensor | None = None  # the policy's, kept while sampling, until the values are read
+    shared_prefix: bool = False  # sampling runs the queries' common prefix once (`prefill`)
 
     def trunk(self, name: str):
         """(hidden states after the frozen blocks, their number) for `final_hidden_states`, or None."""
@@ -1074,19 +1075,26 @@ class FastPaths:
         trunks = ", ".join(f"{name} {n} blocks" for name, n in self.num_frozen.items()) or "none"
         refused = f" (refused, a KV cache's differ here: {', '.join(self.refused)})" if self.refused else ""
         return (f"fast paths: fused LM head {'on' if self.fused_head else 'off'}; frozen trunks: {trunks}; kept "
-                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}{refused}")
+                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}{refused}; shared prompt prefix "
+                f"{'on' if self.shared_prefix else 'off'}")
 
-    def kept(self, pieces: dict, lengths: list[int], total_length: int) -> "FastPaths":
-        """These paths with the states `kept_while_sampling` kept while chunks of `lengths` new tokens were sampled
-        (`generate(feed_last=True)`): the prefill's, then one piece per token; a chunk's padding gets zeros."""
+    def kept(self, pieces: dict, real: torch.Tensor, lengths: list[int], total_length: int) -> "FastPaths":
+        """These paths with the states `kept_while_sampling` kept while chunks of queries (`real`: their tokens, not
+        padding) got `lengths` new tokens (`generate(feed_last=True)`): a chunk's prefill (`prefill`: maybe a shared
+        prefix, then each row's rest, right-aligned), then one piece per token; padding gets zeros."""
+        starts, width = real.int().argmax(1), real.size(1)
+
         def rows(kept: list):
-            starts = np.cumsum([0] + [n + 1 for n in lengths])[:-1]  # a chunk's prefill, then a piece per token
-            out = kept[0].new_zeros(sum(kept[i].size(0) for i in starts), total_length, kept[0].size(-1))
-            row = 0
-            for i, n in zip(starts, lengths):
-                out[row:row + kept[i].size(0), :kept[i].size(1) + n] = torch.cat(kept[i:i + n + 1], 1)
-                row += kept[i].size(0)
-            kept.clear()
+            out, row = kept[0].new_zeros(real.size(0), total_length, kept[0].size(-1)), 0
+            for n in lengths:
+                prefix = kept.pop(0) if kept[0].size(0) < kept[1].size(0) else None  # one row: a shared prefix
+                chunk = torch.cat(kept[:n + 1], 1)
+                del kept[:n + 1]
+                out[row:row + chunk.size(0), width + n - chunk.size(1):width + n] = chunk
+                if prefix is not None:
+                    index = torch.arange(row, row + chunk.size(0), device=chunk.device)[:, None]
+                    out[index, starts[index] + torch.arange(prefix.size(1), device=chunk.device)] = prefix
+                row += chunk.size(0)
             return out
         return replace(self, trunks={"policy": rows(pieces["trunk"])} if pieces["trunk"] else {},
                        final_hidden=rows(pieces["final"]) if pieces["final"] else None)
@@ -1120,9 +1128,10 @@ def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths
     with torch.no_grad(), kept_while_sampling(policy, fast) as pieces:
         generator = torch.Generator(queries.device).manual_seed(0)
         responses = generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id, generator,
-                             feed_last=True)[0]
+                             feed_last=True, share_prefix=fast.shared_prefix)[0]
     qr = torch.cat((queries, responses), 1)
-    kept, real = fast.kept(pieces, [responses.size(1)], qr.size(1)), qr != pad_token_id
+    real = qr != pad_token_id
+    kept = fast.kept(pieces, real[:, :queries.size(1)], [responses.size(1)], qr.size(1))
 
     def pair(name):
         if name == "trunk":
@@ -1132,6 +1141,13 @@ def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths
 
     with torch.no_grad():
         return tuple(name for name in candidates if torch.allclose(*pair(name), rtol=1e-4, atol=1e-4))
+
+
+def shared_prefix_is_exact(policy, queries, pad_token_id: int) -> bool:
+    """Whether `prefill` with the prefix these queries share run once gives the full prefill's next-token logits."""
+    with torch.no_grad():
+        return torch.allclose(*(prefill(policy, queries, pad_token_id, share)[0].logits for share in (True, False)),
+                              rtol=1e-4, atol=1e-4)
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, fast: FastPaths | None = None):
@@ -1304,15 +1320,40 @@ class PolicyAndValueWrapper(nn.Module):
         return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length, fast)
 
 
+def prefill(policy, queries, pad_token_id, share_prefix=False):
+    """Sampling's first forward: (output, attention mask, last position ids). `share_prefix` (#29): the tokens every
+    row starts with (a chat template's) run once, their KV cache is repeated for each row, and then each row's
+    [padding, rest] runs; `kept_while_sampling` sees the prefix as a piece with one row."""
+    inputs = model_inputs(queries, pad_token_id)
+    real = inputs["attention_mask"].bool()
+    starts, shortest, n = real.int().argmax(1), int(real.sum(1).min()), 0
+    if share_prefix and queries.size(0) > 1:  # the longest common prefix, each row keeping a token of its own
+        aligned = queries.gather(1, starts[:, None] + torch.arange(shortest, device=queries.device))
+        n = min(int((aligned == aligned[:1]).all(0).cumprod(0).sum()), shortest - 1)
+    if n < 1:
+        out = policy(**inputs, use_cache=True, logits_to_keep=1)
+        return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    cache = policy(input_ids=aligned[:1, :n], position_ids=torch.arange(n, device=queries.device)[None],
+                   use_cache=True, logits_to_keep=1).past_key_values
+    cache.batch_repeat_interleave(queries.size(0))
+    width = queries.size(1) - int(starts.min()) - n  # the rest of every row, left-padded as the queries are
+    mask = real[:, -width:] & (torch.arange(queries.size(1) - width, queries.size(1), device=queries.device)
+                               >= (starts + n)[:, None])
+    position_ids = n + mask.cumsum(1) - mask.long()
+    attention_mask = torch.cat((mask.new_ones(mask.size(0), n), mask), 1).long()
+    out = policy(input_ids=queries[:, -width:].masked_fill(~mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out, attention_mask, position_ids[:, -1:]
+
+
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-             synced=False, feed_last=False):
+             synced=False, feed_last=False, share_prefix=False):
     """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
     sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done; `feed_last`: the last
-    tokens go through the model too, so that every position's states pass `kept_while_sampling`'s hooks."""
-    inputs = model_inputs(queries, pad_token_id)
-    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    out = policy(**inputs, use_cache=True, logits_to_keep=1)
+    tokens go through the model too, so that every position's states pass `kept_while_sampling`'s hooks;
+    `share_prefix`: see `prefill`."""
+    out, attention_mask, position_ids = prefill(policy, queries, pad_token_id, share_prefix)
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
@@ -1415,13 +1456,17 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     # precision, over a rollout's length (bf16 drifts after about 10 tokens)
     candidates = () if setup.zero3 else tuple(
         name for name, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
-    probe_queries = left_pad(setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id).to(accelerator.device)
-    with accelerator.autocast():
-        kept = sampled_states_are_exact(policy, probe_queries, setup.tokenizer.pad_token_id, FastPaths(
-            num_frozen=num_frozen), candidates, args.temperature, args.response_length, setup.stop_token_id) \
-            if candidates else ()
+    probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
+    probe_queries = left_pad(probe_rows, pad_token_id).to(accelerator.device)
+    with accelerator.autocast():  # a shared prefix checked where it is sure to be: the first row's, before each row
+        shared_prefix = not setup.zero3 and shared_prefix_is_exact(policy, left_pad(
+            [probe_rows[0] + row for row in probe_rows], pad_token_id).to(accelerator.device), pad_token_id)
+        kept = sampled_states_are_exact(policy, probe_queries, pad_token_id, FastPaths(
+            num_frozen=num_frozen, shared_prefix=shared_prefix), candidates, args.temperature, args.response_length,
+            setup.stop_token_id) if candidates else ()
     return Models(model, optimizer, policy, ref_policy, value_model, value_head, FastPaths(
-        fused_head, num_frozen, value_shares_trunk, kept, tuple(name for name in candidates if name not in kept)))
+        fused_head, num_frozen, value_shares_trunk, kept, tuple(name for name in candidates if name not in kept),
+        shared_prefix=shared_prefix))
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
@@ -1954,16 +1999,18 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None, fast: FastPaths | None = None):
-    """(responses cut after the stop token, log-probs, `fast` with the states kept while sampling), in chunks."""
+    """(responses cut after the stop token, log-probs, `fast` with the states kept while sampling), in chunks;
+    `fast`: also whether the queries' common prefix runs once (`prefill`)."""
     chunk = args.local_rollout_forward_batch_size
     with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
             kept_while_sampling(sampler, fast) as pieces:
         generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced, feed_last=bool(fast and fast.from_sampling))
-                     for i in range(0, queries.size(0), chunk)]
+                              stop_token_id, generator, synced, feed_last=bool(fast and fast.from_sampling),
+                              share_prefix=bool(fast and fast.shared_prefix)) for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    kept = fast.kept(pieces, [r.size(1) for r, _ in generated], queries.size(1) + responses.size(1)) if fast else None
+    kept = fast.kept(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
+                     queries.size(1) + responses.size(1)) if fast else None
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
     return responses, logprobs, kept
@@ -2035,15 +2082,16 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
     return (total[0] / total[1]).item() > args.ratio_threshold
 
 
-def evaluate(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, eval_queries: torch.Tensor,
+def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
     """The held-out score, with its own generator seeded by the update; rank 0 writes the samples."""
-    model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
+    models.model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
+    fast = FastPaths(shared_prefix=models.fast.shared_prefix)  # no states to keep: nothing is scored after
     with torch.no_grad(), accelerator.autocast():
-        responses = sample_responses(accelerator, model, eval_queries, args, setup.zero3, pad_token_id,
-                                     setup.stop_token_id, generator)[0]
+        responses = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3, pad_token_id,
+                                     setup.stop_token_id, generator, fast)[0]
         held_out = setup.eval_rows[:]
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out)
     if accelerator.is_main_process:  # a reward's None stays None in the rows

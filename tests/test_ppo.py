@@ -249,6 +249,41 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     torch.testing.assert_close(logprobs, ppo.logprobs_from_logits(logits, responses), atol=1e-5, rtol=0)
 
 
+def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny):
+    """#29: `prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
+    its next-token logits and positions are the plain prefill's, and so are the tokens sampled after it. A row that is
+    all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The start-up check
+    accepts it, and refuses a model whose one-row forwards differ."""
+    policy, _ = tiny
+    cases = {((3, 4, 5, 6), (3, 4, 5, 8, 9), (3, 4, 5, 6, 7, 1)): 3, ((3, 4, 5), (3, 4, 5, 6)): 2,
+             ((3, 4), (5, 4)): 0, ((3, 4, 5),): 0}  # rows -> the prefix run once
+    for rows, n in cases.items():
+        queries, shapes = ppo.left_pad([list(r) for r in rows], PAD), []
+        hook = policy.get_input_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape[:2]))
+        with torch.no_grad():
+            shared, full = ppo.prefill(policy, queries, PAD, share_prefix=True), ppo.prefill(policy, queries, PAD)
+        hook.remove()
+        assert tuple(shapes[0]) == ((1, n) if n else queries.shape)
+        torch.testing.assert_close(shared[0].logits, full[0].logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(shared[2], full[2])
+        sampled = [ppo.generate(policy, queries, PAD, 6, 0.8, generator=torch.Generator().manual_seed(0),
+                                share_prefix=share) for share in (True, False)]
+        assert torch.equal(sampled[0][0], sampled[1][0])
+        torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=1e-5, atol=1e-5)
+    queries = ppo.left_pad([[3, 4, 5, 6], [3, 4, 5, 8, 9]], PAD)
+    assert ppo.shared_prefix_is_exact(policy, queries, PAD)
+
+    def one_row_shifted(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hidden.size(0) == 1:  # not a constant, which the next layer norm would take out
+            drift = torch.linspace(-0.1, 0.1, hidden.size(-1))
+            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
+
+    hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(one_row_shifted)
+    assert not ppo.shared_prefix_is_exact(policy, queries, PAD)
+    hook.remove()
+
+
 def test_generate_stops_once_every_row_has_the_stop_token(tiny):
     policy, _ = tiny
     queries = ppo.left_pad([[3, 4], [5]], PAD)
@@ -375,21 +410,24 @@ def test_split_forward_is_refused_where_it_is_not_exact():
     assert not ppo.split_forward_is_exact(gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
 
 
+@pytest.mark.parametrize("share_prefix", [False, True])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch):
+def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_prefix):
     """#29: the frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
-    forward over two chunks of different widths, one stopping early, equal a full forward's at every real position;
-    the values and log-probs read from them agree; the probe accepts them, and refuses a cache that drifts."""
+    forward over two chunks of different widths, one stopping early, equal a full forward's at every real position,
+    also where each chunk's common prefix ran once (`prefill`); the values and log-probs read from them agree; the
+    probe accepts them, and refuses a cache that drifts."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
-    queries = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16]], PAD)
-    fast = ppo.FastPaths(num_frozen={"policy": 1}, from_sampling=("trunk", "final"))
+    queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14], [3, 4, 16]], PAD)
+    fast = ppo.FastPaths(num_frozen={"policy": 1}, from_sampling=("trunk", "final"), shared_prefix=share_prefix)
     with torch.no_grad(), ppo.kept_while_sampling(policy, fast) as pieces:
         chunks = [ppo.generate(policy, queries[i:i + 2], PAD, n, 0.7, stop_token_id=stop, feed_last=True,
-                               generator=torch.Generator().manual_seed(i))[0]
+                               generator=torch.Generator().manual_seed(i), share_prefix=share_prefix)[0]
                   for i, n, stop in ((0, 6, None), (2, 6, 7))]  # the second stops at its 7s (or runs 6 tokens)
+    assert [p.size(0) for p in pieces["trunk"]].count(1) == (2 if share_prefix else 0)  # the [3, 4] run once
     responses = ppo.pad_right(chunks, PAD)
     qr = torch.cat((queries, ppo.truncate_response(7, PAD, responses)), 1)
-    kept = fast.kept(pieces, [c.size(1) for c in chunks], qr.size(1))
+    kept = fast.kept(pieces, queries != PAD, [c.size(1) for c in chunks], qr.size(1))
     real = qr != PAD
     with torch.no_grad():
         torch.testing.assert_close(kept.trunks["policy"][real], ppo.frozen_trunk(policy, qr, PAD, 1)[real],
