@@ -1327,14 +1327,15 @@ def prefill(policy, queries, pad_token_id, share_prefix=False):
     inputs = model_inputs(queries, pad_token_id)
     real = inputs["attention_mask"].bool()
     starts, shortest, n = real.int().argmax(1), int(real.sum(1).min()), 0
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
     if share_prefix and queries.size(0) > 1:  # the longest common prefix, each row keeping a token of its own
         aligned = queries.gather(1, starts[:, None] + torch.arange(shortest, device=queries.device))
         n = min(int((aligned == aligned[:1]).all(0).cumprod(0).sum()), shortest - 1)
     if n < 1:
-        out = policy(**inputs, use_cache=True, logits_to_keep=1)
+        out = policy(**inputs, use_cache=True, logits_to_keep=last)
         return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
     cache = policy(input_ids=aligned[:1, :n], position_ids=torch.arange(n, device=queries.device)[None],
-                   use_cache=True, logits_to_keep=1).past_key_values
+                   use_cache=True, logits_to_keep=last).past_key_values
     cache.batch_repeat_interleave(queries.size(0))
     width = queries.size(1) - int(starts.min()) - n  # the rest of every row, left-padded as the queries are
     mask = real[:, -width:] & (torch.arange(queries.size(1) - width, queries.size(1), device=queries.device)
@@ -1342,7 +1343,7 @@ def prefill(policy, queries, pad_token_id, share_prefix=False):
     position_ids = n + mask.cumsum(1) - mask.long()
     attention_mask = torch.cat((mask.new_ones(mask.size(0), n), mask), 1).long()
     out = policy(input_ids=queries[:, -width:].masked_fill(~mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                 position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=last)
     return out, attention_mask, position_ids[:, -1:]
 
 

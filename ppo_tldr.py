@@ -802,7 +802,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    out = policy(**inputs, use_cache=True, logits_to_keep=1)
+    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1], device=queries.device))  # not a slice: #29
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
