@@ -1081,13 +1081,14 @@ class FastPaths:
     def kept(self, pieces: dict, real: torch.Tensor, lengths: list[int], total_length: int) -> "FastPaths":
         """These paths with the states `kept_while_sampling` kept while chunks of queries (`real`: their tokens, not
         padding) got `lengths` new tokens (`generate(feed_last=True)`): a chunk's prefill (`prefill`: maybe a shared
-        prefix, then each row's rest, right-aligned), then one piece per token; padding gets zeros."""
+        prefix, then each row's rest, right-aligned), then one piece per token; columns no forward ran get zeros."""
         starts, width = real.int().argmax(1), real.size(1)
 
         def rows(kept: list):
             out, row = kept[0].new_zeros(real.size(0), total_length, kept[0].size(-1)), 0
             for n in lengths:
-                prefix = kept.pop(0) if kept[0].size(0) < kept[1].size(0) else None  # one row: a shared prefix
+                # a one-row piece before a wider one: a shared prefix (`prefill` shares only between 2+ rows)
+                prefix = kept.pop(0) if kept[0].size(0) < kept[1].size(0) else None
                 chunk = torch.cat(kept[:n + 1], 1)
                 del kept[:n + 1]
                 out[row:row + chunk.size(0), width + n - chunk.size(1):width + n] = chunk
@@ -1144,10 +1145,14 @@ def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths
 
 
 def shared_prefix_is_exact(policy, queries, pad_token_id: int) -> bool:
-    """Whether `prefill` with the prefix these queries share run once gives the full prefill's next-token logits."""
-    with torch.no_grad():
-        return torch.allclose(*(prefill(policy, queries, pad_token_id, share)[0].logits for share in (True, False)),
-                              rtol=1e-4, atol=1e-4)
+    """Whether `prefill` with the prefix these queries share run once gives the full prefill's next-token logits; a
+    cache that cannot repeat its rows (a linear-attention layer's) refuses it."""
+    try:
+        with torch.no_grad():
+            return torch.allclose(*(prefill(policy, queries, pad_token_id, share)[0].logits for share in (True, False)),
+                                  rtol=1e-4, atol=1e-4)
+    except (AttributeError, NotImplementedError):
+        return False
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, fast: FastPaths | None = None):
@@ -1330,7 +1335,8 @@ def prefill(policy, queries, pad_token_id, share_prefix=False):
     last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
     if share_prefix and queries.size(0) > 1:  # the longest common prefix, each row keeping a token of its own
         aligned = queries.gather(1, starts[:, None] + torch.arange(shortest, device=queries.device))
-        n = min(int((aligned == aligned[:1]).all(0).cumprod(0).sum()), shortest - 1)
+        same = (aligned == aligned[:1]).all(0) & (aligned[0] != pad_token_id)  # a pad id is masked, not shared
+        n = min(int(same.cumprod(0).sum()), shortest - 1)
     if n < 1:
         out = policy(**inputs, use_cache=True, logits_to_keep=last)
         return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
@@ -1459,9 +1465,11 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         name for name, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
     probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
     probe_queries = left_pad(probe_rows, pad_token_id).to(accelerator.device)
-    with accelerator.autocast():  # a shared prefix checked where it is sure to be: the first row's, before each row
-        shared_prefix = not setup.zero3 and shared_prefix_is_exact(policy, left_pad(
-            [probe_rows[0] + row for row in probe_rows], pad_token_id).to(accelerator.device), pad_token_id)
+    shared = min(len(row) for row in probe_rows) - 1  # a prefix the probe is sure to share: the first row's start
+    shared_probe = left_pad([probe_rows[0][:shared] + row[shared:] for row in probe_rows], pad_token_id)
+    with accelerator.autocast():
+        shared_prefix = not setup.zero3 and len(probe_rows) > 1 and shared > 0 and shared_prefix_is_exact(
+            policy, shared_probe.to(accelerator.device), pad_token_id)
         kept = sampled_states_are_exact(policy, probe_queries, pad_token_id, FastPaths(
             num_frozen=num_frozen, shared_prefix=shared_prefix), candidates, args.temperature, args.response_length,
             setup.stop_token_id) if candidates else ()

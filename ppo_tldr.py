@@ -802,7 +802,8 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1], device=queries.device))  # not a slice: #29
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
+    out = policy(**inputs, use_cache=True, logits_to_keep=last)
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
@@ -823,6 +824,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
+    # differs from ppo.py: no prefill (TL;DR posts share a few tokens) and nothing kept while sampling
     width = response_length - len(tokens)  # differs from ppo.py: always this wide (SFD), the last score past eos
     return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
             F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))

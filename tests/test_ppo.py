@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
 import ppo
 from conftest import (REWARD_FN, ROOT, TINY, build_models, make_tokenizer, run_ppo, without_wall_clock,
@@ -249,11 +249,11 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     torch.testing.assert_close(logprobs, ppo.logprobs_from_logits(logits, responses), atol=1e-5, rtol=0)
 
 
-def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny):
+def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, monkeypatch):
     """#29: `prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
     its next-token logits and positions are the plain prefill's, and so are the tokens sampled after it. A row that is
     all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The start-up check
-    accepts it, and refuses a model whose one-row forwards differ."""
+    accepts it, and refuses a model whose one-row forwards differ or whose cache cannot repeat its rows."""
     policy, _ = tiny
     cases = {((3, 4, 5, 6), (3, 4, 5, 8, 9), (3, 4, 5, 6, 7, 1)): 3, ((3, 4, 5), (3, 4, 5, 6)): 2,
              ((3, 4), (5, 4)): 0, ((3, 4, 5),): 0}  # rows -> the prefix run once
@@ -282,6 +282,12 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny):
     hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(one_row_shifted)
     assert not ppo.shared_prefix_is_exact(policy, queries, PAD)
     hook.remove()
+
+    def cannot_repeat(self, repeats):  # a linear-attention layer's cache has no batch_repeat_interleave
+        raise AttributeError("batch_repeat_interleave")
+
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", cannot_repeat)
+    assert not ppo.shared_prefix_is_exact(policy, queries, PAD)
 
 
 def test_generate_stops_once_every_row_has_the_stop_token(tiny):
