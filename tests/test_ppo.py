@@ -249,6 +249,17 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     torch.testing.assert_close(logprobs, ppo.logprobs_from_logits(logits, responses), atol=1e-5, rtol=0)
 
 
+def shift_first_block(policy, where):
+    """A hook that shifts the first block's output in the forwards `where(hidden)` picks, by a ramp over the features
+    (a constant, the next layer norm would take out); returns its handle."""
+    def shift(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if where(hidden):
+            drift = torch.linspace(-0.1, 0.1, hidden.size(-1))
+            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
+    return ppo.transformer_blocks(policy)[1][0].register_forward_hook(shift)
+
+
 def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, monkeypatch):
     """#29: `prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
     its next-token logits and positions are the plain prefill's, and so are the tokens sampled after it. A row that is
@@ -273,13 +284,7 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, m
     queries = ppo.left_pad([[3, 4, 5, 6], [3, 4, 5, 8, 9]], PAD)
     assert ppo.shared_prefix_is_exact(policy, queries, PAD)
 
-    def one_row_shifted(module, args, out):
-        hidden = out[0] if isinstance(out, tuple) else out
-        if hidden.size(0) == 1:  # not a constant, which the next layer norm would take out
-            drift = torch.linspace(-0.1, 0.1, hidden.size(-1))
-            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
-
-    hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(one_row_shifted)
+    hook = shift_first_block(policy, lambda hidden: hidden.size(0) == 1)  # one-row forwards come out shifted
     assert not ppo.shared_prefix_is_exact(policy, queries, PAD)
     hook.remove()
 
@@ -448,14 +453,7 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_pr
                                    ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
     assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == (
         "trunk", "final")
-    drift = torch.linspace(-0.1, 0.1, 32)  # a cache that drifts: decoding steps (1 token) come out shifted
-
-    def drifting(module, args, out):
-        hidden = out[0] if isinstance(out, tuple) else out
-        if hidden.size(1) == 1:
-            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
-
-    hook = ppo.transformer_blocks(policy)[1][0].register_forward_hook(drifting)
+    hook = shift_first_block(policy, lambda hidden: hidden.size(1) == 1)  # a drifting cache: decoding steps shifted
     assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == ()
     hook.remove()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: a KV cache drifts from a full forward over a rollout
