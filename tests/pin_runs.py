@@ -4,6 +4,7 @@ samples.jsonl, ppo_tldr.py's eval tables, the final model.safetensors). Record b
     python tests/pin_runs.py . runs/pin-before          # all configurations (about 3 minutes on 2 cores)
     python tests/pin_runs.py . runs/pin-after lora cross_tok     # or some of them
     python tests/pin_runs.py --compare runs/pin-before runs/pin-after   # prints ALL MATCH or the differences
+    python tests/pin_runs.py --cuda . runs/pin-cuda     # on a GPU machine: the CUDA and bf16 paths (see on_cuda)
 
 Not a test (pytest does not collect it). The tiny models and prompts are built once, from tests/ helpers, into
 cache/pin_assets; `default_smollm2` runs the real default model for 2 updates.
@@ -112,6 +113,15 @@ CONFIGS = {  # name: (script, launcher: None, accelerate launch flags or an acce
     "tldr_zero3": ("ppo_tldr.py", "deepspeed_zero3.yaml", TLDR),
     "tldr_bf16": ("ppo_tldr.py", ONE_CPU_BF16, TLDR),
 }
+CUDA_BF16 = ["--mixed_precision", "bf16", "--num_processes", "1"]
+
+
+def on_cuda() -> dict:
+    """`--cuda`, on a GPU machine: the one-process configurations (bf16 autocast on the GPU instead of the CPU's) and the
+    default run in bf16 too. Not a pin (CUDA draws other random numbers): read the logs' banners and the metrics."""
+    configs = {name: (script, CUDA_BF16 if launcher == ONE_CPU_BF16 else launcher, args)
+               for name, (script, launcher, args) in CONFIGS.items() if not isinstance(launcher, str)}
+    return {**configs, "default_smollm2_bf16": ("ppo.py", CUDA_BF16, CONFIGS["default_smollm2"][2])}
 
 
 def run(repo: Path, out: Path, names):
@@ -239,6 +249,9 @@ def compare(base: Path, new: Path):
 if __name__ == "__main__":
     if sys.argv[1] == "--compare":
         sys.exit(0 if compare(Path(sys.argv[2]), Path(sys.argv[3])) else 1)
+    if sys.argv[1] == "--cuda":
+        CONFIGS = on_cuda()
+        del sys.argv[1]
     repo, out = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     run(repo, out, sys.argv[3:] or list(CONFIGS))
