@@ -86,13 +86,13 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: Annotated[int, "[1, inf)"] = 2048
+    total_episodes: Annotated[int, "[1, inf)"] = 3584
     """the total number of sampled responses to train on (the one budget knob)"""
     per_device_train_batch_size: Annotated[int, "[1, inf)"] = 16
     """the micro-batch size per process: responses in one training forward/backward"""
     gradient_accumulation_steps: Annotated[int, "[1, inf)"] = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: Annotated[int, "[1, inf)"] = 8
+    num_mini_batches: Annotated[int, "[1, inf)"] = 32
     """minibatches (optimizer steps) per PPO epoch"""
     num_ppo_epochs: Annotated[int, "[1, inf)"] = 1
     """passes of PPO over each rollout batch"""
@@ -114,7 +114,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """responses per prompt, sampled in a row (a group for RLOO- or GRPO-style advantages: README "Editing")"""
 
     # PPO
-    kl_coef: Annotated[float, "[0, inf)"] = 0.1
+    kl_coef: Annotated[float, "[0, inf)"] = 0.095
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL from the logits)"""
@@ -150,7 +150,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     # optimizer
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: Annotated[float, "[0, inf)"] = 1e-4
+    learning_rate: Annotated[float, "[0, inf)"] = 1.2e-4
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
@@ -178,7 +178,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    eval_every: Annotated[int, "[0, inf)"] = 8
+    eval_every: Annotated[int, "[0, inf)"] = 4
     """score the held-out prompts every N updates, before the first and after the last (0: only those two)"""
     save_every: Annotated[int, "[0, inf)"] = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""

@@ -7,7 +7,7 @@ samples.jsonl, ppo_tldr.py's eval tables, the final model.safetensors). Record b
     python tests/pin_runs.py --cuda . runs/pin-cuda     # on a GPU machine: the CUDA and bf16 paths (see on_cuda)
 
 Not a test (pytest does not collect it). The tiny models and prompts are built once, from tests/ helpers, into
-cache/pin_assets; `default_smollm2` runs the real default model for 2 updates.
+cache/pin_assets; `default_smollm2` runs the real default model for one update of 128 responses.
 """
 
 import json
@@ -108,7 +108,8 @@ CONFIGS = {  # name: (script, launcher: None, accelerate launch flags or an acce
     "zero3": ("ppo.py", "deepspeed_zero3.yaml", [*BASE, "--reward-model-path", f"{A}/gpt_neox_rm",
                                                  "--num-trainable-layers", "1"]),
     "ddp2": ("ppo.py", "multi_cpu.yaml", [*BASE, "--reward-fn", RFN, "--shared-value-head"]),
-    "default_smollm2": ("ppo.py", None, ["--total-episodes", "32", "--eval-samples", "8", "--eval-every", "1"]),
+    "default_smollm2": ("ppo.py", None, ["--total-episodes", "32", "--eval-samples", "8", "--eval-every", "1",
+                                         "--num-mini-batches", "8"]),  # one update of 128, not the default's 512
     "tldr": ("ppo_tldr.py", None, TLDR),
     "tldr_zero3": ("ppo_tldr.py", "deepspeed_zero3.yaml", TLDR),
     "tldr_bf16": ("ppo_tldr.py", ONE_CPU_BF16, TLDR),
