@@ -586,7 +586,8 @@ def test_bad_input_is_refused(assets, tmp_path, monkeypatch, overrides, message)
     overrides = {k: str(tmp_path / "empty.jsonl") if v == "EMPTY" else v for k, v in overrides.items()}
     fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
-                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4, shared_value_head=False)
+                  per_device_train_batch_size=4, num_mini_batches=8, num_trainable_layers=None, eval_samples=4,
+                  shared_value_head=False)  # 32 responses per update, whatever the default run's batch
     fields.update({k: {"RM": str(assets["rm"]), "SFT": str(assets["sft"])}.get(v, v) for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))

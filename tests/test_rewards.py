@@ -313,7 +313,7 @@ def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_pat
              "NO_TEMPLATE": bad_assets["rm_no_template"], "PLAIN_SFT": assets["sft"], "PLAIN_PROMPTS": assets["prompts"]}
     fields = dict(sft_model_path=str(chat["sft"]), reward_fn=REWARD_FN, dataset_name=str(chat["prompts"]),
                   dataset_train_split="train", output_dir=str(tmp_path / "run"), total_episodes=16,
-                  per_device_train_batch_size=4, num_trainable_layers=None, eval_samples=4)
+                  per_device_train_batch_size=4, num_mini_batches=8, num_trainable_layers=None, eval_samples=4)
     fields.update({k: str(named[v]) if isinstance(v, str) and v in named else v for k, v in overrides.items()})
     with pytest.raises(ValueError, match=re.escape(message)):
         ppo.main(ppo.Args(**fields))
