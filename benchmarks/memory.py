@@ -5,7 +5,7 @@ rusage of that child alone), and its seconds per update the mean over updates of
 time/scoring + time/training (start-up and model loading excluded). Prints a Markdown table for the README.
 
     HF_HUB_OFFLINE=1 WANDB_MODE=disabled python benchmarks/memory.py --updates 1 --json runs/memory.json
-    python benchmarks/memory.py --only 4 --json runs/lightest.json   # one setup; setups can run side by side
+    python benchmarks/memory.py --only 5 --json runs/lightest.json   # one setup; setups can run side by side
     python benchmarks/memory.py --table runs/memory.json runs/lightest.json   # one table from several runs
 """
 import argparse
@@ -23,13 +23,13 @@ from ppo import Args  # noqa: E402
 # the LoRA settings of the README's learning run (lr for an adapter, not full weights)
 LORA = ["--use-peft", "--lora-target-modules", "all-linear", "--learning-rate", "2e-4"]
 SETUPS = {
+    "the default (top 6 of 30 blocks trained, one model with a value head)": [],
     "policy + reference + value model (--no-shared-value-head)": ["--no-shared-value-head"],
     "the same, all weights trained (--num-trainable-layers None)": ["--no-shared-value-head", "--num-trainable-layers",
                                                                      "None"],
-    "--use-peft": LORA + ["--no-shared-value-head"],
-    "--use-peft --shared-value-head": LORA + ["--shared-value-head"],
-    "--use-peft --shared-value-head --gradient-checkpointing": LORA + ["--shared-value-head",
-                                                                       "--gradient-checkpointing"],
+    "--use-peft --no-shared-value-head": LORA + ["--no-shared-value-head"],
+    "--use-peft": LORA,
+    "--use-peft --gradient-checkpointing": LORA + ["--gradient-checkpointing"],
 }
 
 
