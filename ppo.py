@@ -117,7 +117,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     kl_coef: Annotated[float, "[0, inf)"] = 0.095
     """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
-    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL from the logits)"""
+    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL; restrains less: README)"""
     kl_target: Annotated[float | None, "(0, inf)"] = None
     """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed)"""
     kl_horizon: Annotated[float, "(0, inf)"] = 10000
