@@ -132,8 +132,8 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """the value clip range (absolute, around the rollout's values)"""
     gamma: Annotated[float, "[0, 1]"] = 1.0
     """the discount factor"""
-    lam: Annotated[float, "[0, 1]"] = 0.95
-    """the GAE lambda"""
+    lam: Annotated[float, "[0, 1]"] = 1.0
+    """the GAE lambda (TRL and N+: 0.95; 1.0 takes no bias from the young value head: README)"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
     target_kl: Annotated[float | None, "(0, inf)"] = None
@@ -150,7 +150,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     # optimizer
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
-    learning_rate: Annotated[float, "[0, inf)"] = 1.2e-4
+    learning_rate: Annotated[float, "[0, inf)"] = 7e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""

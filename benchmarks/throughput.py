@@ -33,10 +33,11 @@ HPARAMS = dict(per_device_train_batch_size=32, gradient_accumulation_steps=1, nu
                response_length=53, stop_token="eos", missing_eos_penalty=1.0, local_rollout_forward_batch_size=32,
                temperature=0.7,  # TRL's default (also ppo.py's)
                kl_coef=0.05,  # TRL's default
-               learning_rate=3e-6,  # TRL's default (ppo.py's is 1.2e-4)
+               learning_rate=3e-6,  # TRL's default (ppo.py's is 7e-5)
+               lam=0.95,  # TRL's default (ppo.py's is 1.0)
                seed=1)
 # TRL defaults ppo.py already has: kl_estimator k1, cliprange 0.2, vf_coef 0.1, cliprange_value 0.2, gamma 1.0,
-# lam 0.95, whiten_rewards False, no entropy bonus. ppo.py extra flags: --num-trainable-layers None (all weights train,
+# whiten_rewards False, no entropy bonus. ppo.py extra flags: --num-trainable-layers None (all weights train,
 # as in TRL), --eval-samples 0 (all 256 prompts train, no sample tables: TRL's num_sample_generations 0),
 # --no-shared-value-head (a value model, as in TRL). Left as they differ by design (README, "differences
 # from TRL"): ppo.py clips the gradient norm at 1.0 (TRL accepts max_grad_norm but never clips: a little more work for
