@@ -1059,11 +1059,11 @@ class FastPaths:
 
     def with_trunks(self, models: dict, query_responses, pad_token_id: int) -> "FastPaths":
         """These paths with the trunks of these sequences that sampling did not keep computed (`models`:
-        "policy"/"value" -> the model)."""
+        "policy"/"value" -> the model; a name left out gets no trunk)."""
         return replace(self, trunks={name: self.trunks[name] if name in self.trunks else
                                      frozen_trunk(models[name], query_responses, pad_token_id, n)
                                      for name, n in self.num_frozen.items()
-                                     if not (name == "value" and self.value_shares_trunk)})
+                                     if name in models and not (name == "value" and self.value_shares_trunk)})
 
     def rows(self, index) -> "FastPaths":
         """Restricted to some rows (a micro-batch)."""
@@ -2026,9 +2026,9 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, kept: FastPaths):
-    """The rollout's no-grad forwards, in chunks: reference log-probs, values, the exact KL (or None) and the fast
-    paths with the frozen trunks this update's later forwards start from (`kept`: what sampling kept of them)."""
+                         context_length: int, args: Args, pad_token_id: int, kept: FastPaths, with_values=True):
+    """The rollout's no-grad forwards, in chunks: reference log-probs, values (or None), the exact KL (or None) and the
+    fast paths with the frozen trunks this update's later forwards start from (`kept`: what sampling kept of them)."""
     ref_logprobs, values, fasts, full_kls = [], [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
@@ -2036,7 +2036,8 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
         # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-        fast = kept.rows(slice(i, i + chunk)).with_trunks({"policy": policy, "value": value_model}, qr, pad_token_id)
+        fast = kept.rows(slice(i, i + chunk)).with_trunks({"policy": policy, "value": value_model} if with_values
+                                                          else {"policy": policy}, qr, pad_token_id)
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())
@@ -2053,13 +2054,15 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
         else:
             ref_logprobs.append(ref_out)
         del ref_out
-        values.append(value_forward(value_model, qr, pad_token_id, context_length, fast) if value_head is None
-                      else value_forward(policy, qr, pad_token_id, context_length, fast, value_head))
+        if with_values:
+            values.append(value_forward(value_model, qr, pad_token_id, context_length, fast) if value_head is None
+                          else value_forward(policy, qr, pad_token_id, context_length, fast, value_head))
         fasts.append(fast)
     # a trunk sampling kept is already whole: no second copy of it
     fast = replace(models.fast, trunks={k: kept.trunks[k] if k in kept.trunks else
                                         torch.cat([f.trunks[k] for f in fasts]) for k in fasts[0].trunks})
-    return torch.cat(ref_logprobs), torch.cat(values), torch.cat(full_kls) if full else None, fast
+    values = torch.cat(values) if with_values else None
+    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None, fast
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
@@ -2097,12 +2100,17 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     models.model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
-    fast = FastPaths(shared_prefix=models.fast.shared_prefix)  # no states to keep: nothing is scored after
     with torch.no_grad(), accelerator.autocast():
-        responses = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3, pad_token_id,
-                                     setup.stop_token_id, generator, fast)[0]
+        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
+                                                     pad_token_id, setup.stop_token_id, generator, models.fast)
         held_out = setup.eval_rows[:]
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out)
+        # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
+        ref_logprobs, _, full_kl_per_token, _ = reference_and_values(
+            models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
+            eval_queries.size(1), args, pad_token_id, kept, with_values=False)
+        kl = full_kl_per_token if args.kl_estimator == "full" else kl_penalty(logprobs, ref_logprobs, args.kl_estimator)
+        kl = kl.masked_fill(padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0], 0)
     if accelerator.is_main_process:  # a reward's None stays None in the rows
         rows = [{"prompt": prompt_text(p), "model response": r, "score": s,
                  **{n: None if math.isnan(v) else v for n, v in zip(components, c)}}
@@ -2122,7 +2130,7 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
             wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
     n = scores.numel()
     return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
-            **reward_means(components, "eval", lambda t: t)}
+            "eval/kl": kl.sum(1).mean().item(), **reward_means(components, "eval", lambda t: t)}
 
 
 # ---- Checkpoints and logs --------------------------------------------------------------------------------------------
@@ -2215,7 +2223,7 @@ class RunLog:
         self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
             f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in (
                 "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                "eval/scores") if k in metrics))
+                "eval/scores", "eval/kl") if k in metrics))
 
     def close(self) -> None:
         self.progress.stop()

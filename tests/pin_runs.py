@@ -4,6 +4,7 @@ samples.jsonl, ppo_tldr.py's eval tables, the final model.safetensors). Record b
     python tests/pin_runs.py . runs/pin-before          # all configurations (about 3 minutes on 2 cores)
     python tests/pin_runs.py . runs/pin-after lora cross_tok     # or some of them
     python tests/pin_runs.py --compare runs/pin-before runs/pin-after   # prints ALL MATCH or the differences
+    python tests/pin_runs.py --compare runs/pin-before runs/pin-after --new-keys eval/kl   # a metric added
     python tests/pin_runs.py --cuda . runs/pin-cuda     # on a GPU machine: the CUDA and bf16 paths (see on_cuda)
 
 Not a test (pytest does not collect it). The tiny models and prompts are built once, from tests/ helpers, into
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "cache" / "pin_assets"
+NEW_KEYS = set()  # --new-keys: keys the new runs' rows add, not counted as a difference
 
 
 def build_assets(repo: Path):
@@ -180,6 +182,7 @@ def rows(path):
 
 def close(a, b, path):
     if isinstance(a, dict) and isinstance(b, dict):
+        a = {k: v for k, v in a.items() if k in b or k not in NEW_KEYS}
         if set(a) != set(b):
             return [f"{path}: keys differ {sorted(set(a) ^ set(b))}"]
         return [
@@ -249,6 +252,7 @@ def compare(base: Path, new: Path):
 
 if __name__ == "__main__":
     if sys.argv[1] == "--compare":
+        NEW_KEYS.update(sys.argv[5:] if sys.argv[4:5] == ["--new-keys"] else ())
         sys.exit(0 if compare(Path(sys.argv[2]), Path(sys.argv[3])) else 1)
     if sys.argv[1] == "--cuda":
         CONFIGS = on_cuda()

@@ -169,6 +169,7 @@ def test_generation_uses_the_adapter_and_the_reference_does_not(shared_head_run)
     for row in rows[1:]:
         assert row["val/ratio"] == pytest.approx(1, abs=1e-4)
         assert abs(row["objective/kl"]) > 1e-3
+    assert abs(rows[-1]["eval/kl"]) > 1e-3  # the held-out evaluation's reference too
 
 
 def test_saved_adapter_and_value_head_reload(shared_head_run, llama):

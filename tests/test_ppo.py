@@ -127,12 +127,13 @@ def eval_runs(assets, tmp_path_factory):
             del os.environ["PROMPT_LOG"]
     return {name: ([json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()],
                    [json.loads(line) for line in (root / name / "samples.jsonl").read_text().splitlines()],
-                   [json.loads(line) for line in (root / f"{name}.prompts.jsonl").read_text().splitlines()])
+                   [json.loads(line) for line in (root / f"{name}.prompts.jsonl").read_text().splitlines()],
+                   root / name)
             for name in ("a", "b", "ends")}
 
 
 def test_eval_prompts_are_never_trained_on(eval_runs, assets):
-    rows, _, calls = eval_runs["a"]
+    rows, _, calls, _ = eval_runs["a"]
     held_out = [json.loads(line)["prompt"] for line in assets["prompts"].read_text().splitlines()][-4:]
     assert [r["update"] for r in rows if "eval/scores" in r] == [0, 1, 2, 3]
     assert [c for c in calls if len(c) == 4] == [held_out] * 4  # the evaluations: the last 4 prompts, in order
@@ -145,7 +146,7 @@ def test_eval_score_is_the_reward_of_the_logged_texts(eval_runs, assets):
 
     from rewards import target_word_fraction
 
-    rows, samples, _ = eval_runs["a"]
+    rows, samples, _, _ = eval_runs["a"]
     tok = AutoTokenizer.from_pretrained(assets["sft"])
     for row in (r for r in rows if "eval/scores" in r):
         table = [s for s in samples if s["update"] == row["update"]]
@@ -159,8 +160,29 @@ def test_eval_score_is_the_reward_of_the_logged_texts(eval_runs, assets):
     assert len({s["model response"] for s in samples}) > 1
 
 
+def test_eval_kl_is_the_logged_responses_log_ratio_to_the_reference(eval_runs, assets):
+    """eval/kl, recomputed in float64 from the logged texts, one unpadded sequence at a time: per response, the sum over
+    its tokens (eos included) of log pi - log pi_ref at temperature 0.7, the saved policy against the SFT model."""
+    rows, samples, _, out = eval_runs["a"]
+    tok = AutoTokenizer.from_pretrained(assets["sft"])
+    policy, ref = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float64).eval() for p in (out, assets["sft"]))
+    kls = []
+    for sample in (s for s in samples if s["update"] == 3):
+        query, response = (tok(sample[k], add_special_tokens=False)["input_ids"] for k in ("query", "model response"))
+        kl = 0.0
+        for model, sign in ((policy, 1), (ref, -1)):
+            with torch.no_grad():
+                logits = model(torch.tensor([query + response])).logits[0]
+            for t, token in enumerate(response):
+                kl += sign * torch.log_softmax(logits[len(query) - 1 + t] / 0.7, -1)[token].item()
+        kls.append(kl)
+    assert rows[0]["eval/kl"] == pytest.approx(0, abs=1e-5)  # the initial policy is the reference
+    assert rows[-1]["update"] == 3 and rows[-1]["eval/kl"] == pytest.approx(sum(kls) / 4, abs=1e-4)
+    assert abs(sum(kls)) > 1e-2  # trained: not the reference
+
+
 def test_eval_is_deterministic_and_leaves_training_alone(eval_runs):
-    (a, a_samples, _), (b, b_samples, _), (ends, ends_samples, _) = eval_runs.values()
+    (a, a_samples, _, _), (b, b_samples, _, _), (ends, ends_samples, _, _) = eval_runs.values()
     assert without_wall_clock(a) == without_wall_clock(b) and a_samples == b_samples
     # evaluating after every update or only at the ends: the same training, and the same scores where both evaluate
     training = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in without_wall_clock(a)]
