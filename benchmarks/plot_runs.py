@@ -4,8 +4,9 @@
 
 Each group of run folders (shell globs work) ends with `--label NAME`; a run without a label is a group of its own. The plot has
 the held-out score (eval/scores, or ppo_tldr.py's objective/validation_score), the training score and the KL per
-response against episodes: the group's mean, and its min-max range over runs. The table gives each run's figures, with
-the share of held-out responses in upbeat assistant talk (DRIFT, from samples.jsonl) at the first and last evaluation.
+response against episodes: the group's mean, and its min-max range over runs. The table gives each run's figures: the
+largest rollout KL (objective/kl), the last evaluated policy's (eval/kl, where logged), and the share of held-out
+responses in upbeat assistant talk (DRIFT, from samples.jsonl) at the first and last evaluation.
 """
 import argparse
 import glob
@@ -58,8 +59,9 @@ def main():
     groups.update({run: [run] for run in current})  # unlabelled runs: one group each
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
-    print("| run | updates | s/update | held-out score: first → last eval | max KL | drift share: first → last |")
-    print("|---|---|---|---|---|---|")
+    print("| run | updates | s/update | held-out score: first → last eval | max KL | last eval's KL | drift share: first → "
+          "last |")
+    print("|---|---|---|---|---|---|---|")
     for label, runs in groups.items():
         loaded = {run: load(Path(run)) for run in runs}
         for ax, (title, keys) in zip(axes, PANELS):
@@ -80,6 +82,7 @@ def main():
             drift = [drift_share(samples, r["update"]) for r in (evals[:1] + evals[-1:])]
             print(f"| {run} | {len(updates)} | {seconds:.1f} | {held_out[0]:.3f} → {held_out[-1]:.3f} | "
                   f"{max(r['objective/kl'] for r in updates):.2f} | " +
+                  (f"{evals[-1]['eval/kl']:.2f} | " if "eval/kl" in evals[-1] else "- | ") +
                   (" → ".join(f"{d:.0%}" for d in drift) if None not in drift else "-") + " |")
     axes[0].legend()
     fig.tight_layout()
