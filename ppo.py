@@ -2027,8 +2027,9 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
                          context_length: int, args: Args, pad_token_id: int, kept: FastPaths, with_values=True):
-    """The rollout's no-grad forwards, in chunks: reference log-probs, values (or None), the exact KL (or None) and the
-    fast paths with the frozen trunks this update's later forwards start from (`kept`: what sampling kept of them)."""
+    """The rollout's no-grad forwards (an evaluation's: without values), in chunks: reference log-probs, values (or
+    None), the exact KL (or None) and the fast paths with the frozen trunks this update's later forwards start from
+    (`kept`: what sampling kept of them)."""
     ref_logprobs, values, fasts, full_kls = [], [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
