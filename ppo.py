@@ -329,6 +329,12 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
 
 
+def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, estimator: str) -> torch.Tensor:
+    """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or `kl_penalty`'s estimate."""
+    return (full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)).masked_fill(
+        padding_mask, 0)
+
+
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     """Exact KL(pi || pi_ref) of the next-token distributions: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
     logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
@@ -501,8 +507,7 @@ def main(args: Args) -> None:
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            kl = (full_kl_per_token.masked_fill(padding_mask, 0) if args.kl_estimator == "full" else
-                  kl_penalty(logprobs, ref_logprobs, args.kl_estimator))  # 0 at padding: both logprobs are 1.0
+            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             if args.whiten_rewards:
                 rewards = whiten_rewards(rewards, padding_mask_p1)
@@ -2110,8 +2115,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         ref_logprobs, _, full_kl_per_token, _ = reference_and_values(
             models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
             eval_queries.size(1), args, pad_token_id, kept, with_values=False)
-        kl = full_kl_per_token if args.kl_estimator == "full" else kl_penalty(logprobs, ref_logprobs, args.kl_estimator)
-        kl = kl.masked_fill(padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0], 0)
+        padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
+        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
     if accelerator.is_main_process:  # a reward's None stays None in the rows
         rows = [{"prompt": prompt_text(p), "model response": r, "score": s,
                  **{n: None if math.isnan(v) else v for n, v in zip(components, c)}}
