@@ -1,14 +1,18 @@
 """The pure parts of benchmarks/throughput.py: the matmul weight count and the FLOP count of one PPO update, each
 against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the data and
-reward of the verifiable-reward recipe, benchmarks/arithmetic.py. No timing here."""
+reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's own
+evaluations. No timing here."""
+import json
+import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import arithmetic  # noqa: E402
+import rescore  # noqa: E402
 import throughput  # noqa: E402
 
 
@@ -65,3 +69,39 @@ def test_arithmetic_accuracy_reads_the_last_integer_of_either_completion_form():
                    [{"role": "assistant", "content": "It costs 1,022 dollars"}]]
     assert arithmetic.accuracy(completions, ["22", "22", "22", "22", "1,022"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert arithmetic.accuracy(["no number"], ["none either"]) == [0.0]  # no answer is never right
+
+
+# tiny_args without the flags that rescore.py sets itself
+RESCORE_FLAGS = {"--total-episodes", "--num-mini-batches", "--learning-rate", "--eval-every"}
+
+
+def rescore_extra(assets):
+    args = tiny_args(assets)
+    drop = {i + j for i, a in enumerate(args) if a in RESCORE_FLAGS for j in (0, 1)}
+    return [a for i, a in enumerate(args) if i not in drop and a not in ("--sft-model-path", str(assets["sft"]))]
+
+
+def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tmp_path):
+    run = tmp_path / "run"
+    run_ppo(tiny_args(assets, "--seed", "5"), run)  # 2 updates: the last evaluation draws with seed 5 + 2
+    logged = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    last = [r["score"] for r in logged if r["update"] == 2]
+    assert TINY[TINY.index("--eval-samples") + 1] == str(len(last))
+    scores, responses = rescore.per_prompt(str(run), 1, 7, rescore_extra(assets), tmp_path / "rescored")
+    assert scores == pytest.approx(last, abs=1e-6)
+    assert responses == [r["model response"] for r in logged if r["update"] == 2]
+    # with two evaluations, each prompt's score is the mean of its two responses, the second drawn with seed 8
+    scores2, responses2 = rescore.per_prompt(str(run), 2, 7, rescore_extra(assets), tmp_path / "rescored2")
+    rows = [json.loads(line) for line in (tmp_path / "rescored2" / "samples.jsonl").read_text().splitlines()]
+    second = [r["score"] for r in rows if r["update"] == 1]
+    assert len(responses2) == 2 * len(last) and responses2[:len(last)] == responses
+    assert scores2 == pytest.approx([(a + b) / 2 for a, b in zip(last, second)], abs=1e-6)
+
+
+def test_rescore_table_gives_the_initial_policy_no_gain_over_itself(assets):
+    sft = str(assets["sft"])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rescore.py"), sft, sft, "--initial", sft, "--",
+                           *rescore_extra(assets)], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    initial, *policies = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(f"| {sft}")]
+    assert "(8 responses)" in proc.stdout and len(policies) == 2  # the flags after -- went to ppo.py, not the policies
+    assert all(policy[1] == initial[1] and policy[2] == "0.000 ± 0.000" for policy in policies)
