@@ -57,8 +57,8 @@ def main():
         for i, policy in enumerate(args.policies):
             scores, responses = per_prompt(policy, args.evaluations, args.seed, extra, Path(tmp) / str(i))
             metrics = Path(policy) / "metrics.jsonl"
-            kl = [json.loads(line).get("objective/kl", 0.0) for line in metrics.read_text().splitlines()] \
-                if metrics.exists() else []
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            kl = [r["objective/kl"] for r in rows if "objective/kl" in r]  # the update rows, not the evaluations'
             talk = sum(bool(DRIFT.search(r)) for r in responses) / len(responses)
             print(f"| {policy} | {mean_se(scores)} | {mean_se([s - b for s, b in zip(scores, base)])} | "
                   f"{f'{max(kl):.2f}' if kl else '-'} | {talk:.1%} |", flush=True)

@@ -98,10 +98,13 @@ def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tm
     assert scores2 == pytest.approx([(a + b) / 2 for a, b in zip(last, second)], abs=1e-6)
 
 
-def test_rescore_table_gives_the_initial_policy_no_gain_over_itself(assets):
-    sft = str(assets["sft"])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rescore.py"), sft, sft, "--initial", sft, "--",
-                           *rescore_extra(assets)], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
-    initial, *policies = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(f"| {sft}")]
-    assert "(8 responses)" in proc.stdout and len(policies) == 2  # the flags after -- went to ppo.py, not the policies
-    assert all(policy[1] == initial[1] and policy[2] == "0.000 ± 0.000" for policy in policies)
+def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_its_largest_kl(assets, tmp_path):
+    sft, run = str(assets["sft"]), tmp_path / "run"
+    _, updates = run_ppo(tiny_args(assets), run)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rescore.py"), sft, str(run), "--initial", sft,
+                           "--", *rescore_extra(assets)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          check=True)
+    initial, itself, trained = [line.split(" | ") for line in proc.stdout.splitlines()[2:]]
+    assert "(8 responses)" in proc.stdout  # and the flags after -- went to ppo.py, not into the policies
+    assert itself[1] == initial[1] and itself[2] == "0.000 ± 0.000" and itself[3] == "-"
+    assert trained[0] == f"| {run}" and trained[3] == f"{max(r['objective/kl'] for r in updates):.2f}"
