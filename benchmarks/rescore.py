@@ -29,7 +29,7 @@ def per_prompt(policy: str, evaluations: int, seed: int, extra: list[str], outpu
     subprocess.run([sys.executable, str(ROOT / "ppo.py"), "--sft-model-path", policy, "--learning-rate", "0",
                     "--total-episodes", str(32 * max(evaluations - 1, 1)), "--num-mini-batches", "2",
                     "--eval-every", "1", "--seed", str(seed), "--output-dir", str(output_dir), *extra],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                   check=True, stdout=subprocess.DEVNULL)  # paths read as ppo.py run here would read them
     rows = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
     scores = [[r["score"] for r in rows if r["update"] == u] for u in range(evaluations)]
     return [statistics.fmean(s) for s in zip(*scores)], [r["model response"] for r in rows if r["update"] < evaluations]
