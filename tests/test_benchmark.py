@@ -2,7 +2,6 @@
 against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the data and
 reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's own
 evaluations. No timing here."""
-import json
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import arithmetic  # noqa: E402
+import plot_runs  # noqa: E402
 import rescore  # noqa: E402
 import throughput  # noqa: E402
 
@@ -84,7 +84,7 @@ def rescore_extra(assets):
 def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tmp_path):
     run = tmp_path / "run"
     run_ppo(tiny_args(assets, "--seed", "5"), run)  # 2 updates: the last evaluation draws with seed 5 + 2
-    logged = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    logged = plot_runs.load(run)[1]
     last = [r["score"] for r in logged if r["update"] == 2]
     assert TINY[TINY.index("--eval-samples") + 1] == str(len(last))
     scores, responses = rescore.per_prompt(str(run), 1, 7, rescore_extra(assets), tmp_path / "rescored")
@@ -92,7 +92,7 @@ def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tm
     assert responses == [r["model response"] for r in logged if r["update"] == 2]
     # with two evaluations, each prompt's score is the mean of its two responses, the second drawn with seed 8
     scores2, responses2 = rescore.per_prompt(str(run), 2, 7, rescore_extra(assets), tmp_path / "rescored2")
-    rows = [json.loads(line) for line in (tmp_path / "rescored2" / "samples.jsonl").read_text().splitlines()]
+    rows = plot_runs.load(tmp_path / "rescored2")[1]
     second = [r["score"] for r in rows if r["update"] == 1]
     assert len(responses2) == 2 * len(last) and responses2[:len(last)] == responses
     assert scores2 == pytest.approx([(a + b) / 2 for a, b in zip(last, second)], abs=1e-6)
