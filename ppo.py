@@ -37,7 +37,6 @@ from rich.table import Table
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # `HeadLogprobs` works in bits
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"  # built from PyPI's vaderSentiment sdist on first use
 VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's weight and bias (see `load_value_head`)
@@ -1174,19 +1173,18 @@ class HeadLogprobs(torch.autograd.Function):
     """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a block of the vocabulary at a time for all
     rows, with a running logsumexp (flash attention's online softmax): a block's logits and exponentials, in two
     buffers every block reuses, are the only (words, rows) tensors. The backward recomputes them. Both outputs carry
-    their gradients. Inside, logits are in bits (x log2 e, as in FlashAttention-2): on AVX2 and AVX-512 CPUs torch's
-    exp2 runs 2-4x faster than its exp."""
+    their gradients."""
 
     @staticmethod
     def logits(hidden, weight, start, temperature, pad_token_id, buffer):
-        """scale_logits(hidden @ weight.T).T x log2 e for a block of words, the first being word `start`, in
-        `buffer`; the scale applied inside the product, except under autocast, where the product rounds first as in
-        the model."""
+        """scale_logits(hidden @ weight.T).T for a block of words, the first being word `start`, in `buffer`; the
+        temperature applied inside the product, except under autocast, where the product rounds first as in the
+        model."""
         out = buffer[:weight.size(0) * hidden.size(0)].view(weight.size(0), hidden.size(0))
         if torch.is_autocast_enabled(hidden.device.type) or not hidden.dtype == weight.dtype == out.dtype:
-            out.copy_((hidden @ weight.T).T).div_(temperature + 1e-7).mul_(LOG2E)
+            out.copy_((hidden @ weight.T).T).div_(temperature + 1e-7)
         else:
-            torch.addmm(out, weight, hidden.T, beta=0, alpha=LOG2E / (temperature + 1e-7), out=out)
+            torch.addmm(out, weight, hidden.T, beta=0, alpha=1 / (temperature + 1e-7), out=out)
         if 0 <= pad_token_id - start < out.size(0):
             out[pad_token_id - start] = torch.finfo(out.dtype).min
         return out
@@ -1208,21 +1206,21 @@ class HeadLogprobs(torch.autograd.Function):
             local, found = HeadLogprobs.in_block(tokens, start, logits.size(0))
             picked = torch.where(found, logits.gather(0, local).squeeze(0), picked)
             new_m = torch.maximum(m, logits.amax(0))
-            rescale = torch.exp2(m - new_m)  # the earlier blocks' sums at the new maximum (0 before the first block)
+            rescale = torch.exp(m - new_m)  # the earlier blocks' sums at the new maximum (0 before the first block)
             shifted = logits.sub_(new_m)
-            e = torch.exp2(shifted, out=scratch[:shifted.numel()].view_as(shifted))
-            if with_entropy:  # -sum p log2 p = log2 s + u / s: every term >= 0, nothing cancels
+            e = torch.exp(shifted, out=scratch[:shifted.numel()].view_as(shifted))
+            if with_entropy:  # -sum p log p = log s + u / s: every term >= 0, nothing cancels
                 u = rescale * (u + (new_m - m) * s) - shifted.mul_(e).sum(0)
             s, m = s * rescale + e.sum(0), new_m
-        lse = s.log2() + m  # in bits; both outputs in nats
-        entropy = (s.log2() + u / s) * LN2 if with_entropy else lse.new_zeros(0)
+        lse = s.log() + m
+        entropy = s.log() + u / s if with_entropy else lse.new_zeros(0)
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.temperature, ctx.pad_token_id, ctx.block = temperature, pad_token_id, block
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
         ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
                             dtype=torch.get_autocast_dtype(device))
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
-        return (picked - lse) * LN2, entropy
+        return picked - lse, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -1230,7 +1228,7 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, tokens, lse, entropy = ctx.saved_tensors
         # d logprob / d logits = (onehot(token) - softmax) / T; the pad word's softmax is exactly 0
         g = (torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs) / (ctx.temperature + 1e-7)
-        ge = grad_entropy * LN2 / (ctx.temperature + 1e-7) if grad_entropy is not None else None
+        ge = grad_entropy / (ctx.temperature + 1e-7) if grad_entropy is not None else None
         grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
@@ -1242,11 +1240,11 @@ class HeadLogprobs(torch.autograd.Function):
             # of bf16 logits
             with torch.autocast(**ctx.autocast):
                 logp = HeadLogprobs.logits(hidden, w, start, ctx.temperature, ctx.pad_token_id, buffer).sub_(lse)
-            if ge is None:  # logp: log2 p
-                grad = logp.exp2_().mul_(-g)
-            else:  # and d entropy / d logits = -p (ln p + entropy) / T, formed as p (...) first: 0 for the pad word
-                p = torch.exp2(logp, out=scratch[:logp.numel()].view_as(logp))
-                grad = logp.add_(entropy / LN2).mul_(p).mul_(ge).add_(p.mul_(g)).neg_()
+            if ge is None:
+                grad = logp.exp_().mul_(-g)
+            else:  # and d entropy / d logits = -p (log p + entropy) / T, formed as p (...) first: 0 for the pad word
+                p = torch.exp(logp, out=scratch[:logp.numel()].view_as(logp))
+                grad = logp.add_(entropy).mul_(p).mul_(ge).add_(p.mul_(g)).neg_()
             local, found = HeadLogprobs.in_block(tokens, start, w.size(0))
             grad.scatter_add_(0, local, torch.where(found, g, 0).unsqueeze(0))
             if grad_hidden is not None:  # summed over the blocks, in float32
