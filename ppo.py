@@ -35,7 +35,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          StaticCache)
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"  # built from PyPI's vaderSentiment sdist on first use
@@ -190,6 +191,11 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the shards, slowly)"""
+    fast_paths: bool = True
+    """the exact shortcuts of the speed layer (the file's last section), each where its start-up probe passes;
+    --no-fast-paths: the plain forwards alone"""
+    compile_sampler: bool = True
+    """on CUDA, sample through a static KV cache compiled into CUDA graphs once its start-up probe passes"""
 
     def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
         for name in ("reward_model_path", "reward_fn"):
@@ -225,7 +231,9 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
     """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
-    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order."""
+    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order.
+    Seeded by seed + pass alone: a second prompt source of the same size, drawn with the same seed, would follow the
+    same order, so give it its own (e.g. seed + 1_000_003)."""
     per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
     epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
@@ -389,6 +397,14 @@ def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torc
     return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
 
 
+def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """Whitened over this process's real tokens, 0 at padding (N+ detail 27). One real token has no spread to scale
+    by: it is only centred, to 0 (masked_var refuses fewer than 2 values)."""
+    if int((~padding_mask).sum()) < 2:
+        return torch.zeros_like(advantages)
+    return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+
+
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
     """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
@@ -436,7 +452,7 @@ def main(args: Args) -> None:
     # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
+    model, optimizer, forwards, sizes = models.model, models.optimizer, models.forwards, setup.sizes
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     console = Console()
@@ -460,7 +476,7 @@ def main(args: Args) -> None:
             "value head": models.value_head,
             **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
-            banner_notes(setup) + [models.fast.describe()])
+            banner_notes(setup) + [models.forwards.describe()])
     checkpoints = setup.output_dir / "checkpoints"
     start_time = time.time()
     run_log.progress.start()
@@ -469,9 +485,10 @@ def main(args: Args) -> None:
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        anneal = 1.0 - (update - 1.0) / sizes.num_updates
+        for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
+            group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
+        lr = anneal * args.learning_rate
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
                                   args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
@@ -481,18 +498,17 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
-            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3,
-                                                         pad_token_id, stop_token_id, fast=models.fast)
+            responses, logprobs = forwards.sample(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                  stop_token_id)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 2. Scoring forwards: reference log-probs and values (and the frozen trunks the PPO epochs reuse)
-            ref_logprobs, values, full_kl_per_token, fast = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id, kept)
-            del kept  # read: its trunk lives on in `fast`
+            # 2. Scoring forwards: reference log-probs and values
+            ref_logprobs, values, full_kl_per_token = forwards.score(models, query_responses, response_ids,
+                                                                     context_length, args, pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
             time_scoring = time.perf_counter() - timer - time_generation
@@ -514,12 +530,14 @@ def main(args: Args) -> None:
 
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+            advantages = whiten_advantages(advantages, padding_mask)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
             # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
-            rollout = Rollout(responses, sequence_lengths, padding_mask, padding_mask_p1, logprobs, ref_logprobs,
-                              values, kl, non_score_reward, rewards, advantages, returns, scores, trained_scores,
-                              contain_eos_token, score_components)
+            rollout = Rollout(responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+                              padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                              values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
+                              advantages=advantages, returns=returns, scores=scores, trained_scores=trained_scores,
+                              contain_eos_token=contain_eos_token, score_components=score_components)
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
@@ -536,13 +554,13 @@ def main(args: Args) -> None:
                 micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
                 if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
-                                     padding_mask, fast, pad_token_id):
+                                     padding_mask, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = model(query_responses[mbi], pad_token_id, context_length,
-                                                             response_ids[mbi], args.temperature, fast.rows(mbi))
+                        new_logprobs, entropy, vpred = forwards.train(model, mbi, query_responses, pad_token_id,
+                                                                      context_length, response_ids, args.temperature)
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -612,8 +630,8 @@ def main(args: Args) -> None:
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
                 **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
-        del (query_responses, responses, response_ids, fast, logprobs, ref_logprobs, values,
-             rewards, advantages, returns, rollout)
+        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
+             rollout)
     run_log.close()
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
@@ -962,7 +980,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                               eos_check_id, train_dataset, eval_rows, rewards)
 
 
-# ---- Model forwards -------------------------------------------------------------------------------------------------
+# ---- Model forwards: the plain computation (the speed layer at the end of the file replaces some, exactly) ----------
 # pad ids never reach an embedding (they become 0, masked out of attention), so an added [PAD] needs no resize
 # (N+ detail 6); explicit position ids keep left padding correct
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
@@ -984,323 +1002,32 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
 
 
-@contextmanager
-def blocks_only(model: nn.Module, start: int, stop: int | None = None):
-    """Run the backbone through blocks[start:stop] alone; per-block config lists (layer_types...) are sliced too."""
-    name, blocks = transformer_blocks(model)
-    backbone = unpeft(model).base_model
-    per_block = {k: v for k, v in vars(backbone.config).items() if isinstance(v, list) and len(v) == len(blocks)}
-    setattr(backbone, name, blocks[start:stop])
-    for key, values in per_block.items():
-        setattr(backbone.config, key, values[start:stop])
-    try:
-        yield
-    finally:
-        setattr(backbone, name, blocks)
-        for key, values in per_block.items():
-            setattr(backbone.config, key, values)
-
-
-def backbone_inputs(model, query_responses, pad_token_id, trunk):
-    """Model inputs and a context: the whole model, or (trunk = (hidden states, num_frozen)) the top blocks alone."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    hidden, num_frozen = trunk
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": hidden}, blocks_only(model, num_frozen)
-
-
-def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    inputs, blocks = backbone_inputs(model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
-
-
-def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
-    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks: computed once per update, every
-    later forward (`trunk=`) runs only the top blocks."""
-    outputs = []
-    hook = transformer_blocks(model)[1][num_frozen - 1].register_forward_hook(
-        lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
-    try:
-        with blocks_only(model, 0, num_frozen):
-            unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
-    finally:
-        hook.remove()
-    return outputs[0]
-
-
-def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: int, num_frozen: int) -> bool:
-    """Whether starting from `frozen_trunk` reproduces the full forward on these sequences."""
-    with torch.no_grad():
-        full = final_hidden_states(model, query_responses, pad_token_id)
-        trunk = (frozen_trunk(model, query_responses, pad_token_id, num_frozen), num_frozen)
-        return torch.allclose(full, final_hidden_states(model, query_responses, pad_token_id, trunk), rtol=1e-4,
-                              atol=1e-5)
-
-
-@dataclass(frozen=True)
-class FastPaths:
-    """The exact speed paths, each checked at start-up (`load_models`), handed to the forwards as one object: the fused
-    LM head (`head_logprobs`), and the output of frozen bottom blocks (`frozen_trunk`), computed once per update by
-    `with_trunks` and reused by every later forward, or kept while sampling (`kept_while_sampling`) with the final
-    hidden states a value head reads: then scoring runs only the reference's top blocks. FastPaths() or None: the
-    plain computation."""
-    fused_head: bool = False
-    num_frozen: dict = field(default_factory=dict)  # "policy"/"value": the bottom blocks no forward needs to rerun
-    value_shares_trunk: bool = False  # the value model starts from the policy's weights: one trunk serves both
-    from_sampling: tuple = ()  # what sampling keeps of the policy's states: "trunk", "final" (for a value head)
-    refused: tuple = ()  # what it would keep, had the start-up check found it close to a full forward
-    trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
-    final_hidden: torch.Tensor | None = None  # the policy's, kept while sampling, until the values are read
-    shared_prefix: bool = False  # sampling runs the queries' common prefix once (`prefill`)
-
-    def trunk(self, name: str):
-        """(hidden states after the frozen blocks, their number) for `final_hidden_states`, or None."""
-        name = "policy" if name == "value" and self.value_shares_trunk else name
-        return (self.trunks[name], self.num_frozen[name]) if name in self.trunks else None
-
-    def with_trunks(self, models: dict, query_responses, pad_token_id: int) -> "FastPaths":
-        """These paths with the trunks of these sequences that sampling did not keep computed (`models`:
-        "policy"/"value" -> the model; a name left out gets no trunk)."""
-        return replace(self, trunks={name: self.trunks[name] if name in self.trunks else
-                                     frozen_trunk(models[name], query_responses, pad_token_id, n)
-                                     for name, n in self.num_frozen.items()
-                                     if name in models and not (name == "value" and self.value_shares_trunk)})
-
-    def rows(self, index) -> "FastPaths":
-        """Restricted to some rows (a micro-batch)."""
-        return replace(self, trunks={name: hidden[index] for name, hidden in self.trunks.items()},
-                       final_hidden=None if self.final_hidden is None else self.final_hidden[index])
-
-    def describe(self) -> str:
-        """The banner's line: the paths the start-up checks found exact (the others compute in full)."""
-        trunks = ", ".join(f"{name} {n} blocks" for name, n in self.num_frozen.items()) or "none"
-        refused = f" (refused, a KV cache's differ here: {', '.join(self.refused)})" if self.refused else ""
-        return (f"fast paths: fused LM head {'on' if self.fused_head else 'off'}; frozen trunks: {trunks}; kept "
-                f"while sampling: {', '.join(self.from_sampling) or 'nothing'}{refused}; shared prompt prefix "
-                f"{'on' if self.shared_prefix else 'off'}")
-
-    def kept(self, pieces: dict, real: torch.Tensor, lengths: list[int], total_length: int) -> "FastPaths":
-        """These paths with the states `kept_while_sampling` kept while chunks of queries (`real`: their tokens, not
-        padding) got `lengths` new tokens (`generate(feed_last=True)`): a chunk's prefill (`prefill`: maybe a shared
-        prefix, then each row's rest, right-aligned), then one piece per token; columns no forward ran get zeros."""
-        starts, width = real.int().argmax(1), real.size(1)
-
-        def rows(kept: list):
-            out, row = kept[0].new_zeros(real.size(0), total_length, kept[0].size(-1)), 0
-            for n in lengths:
-                # a one-row piece before a wider one: a shared prefix (`prefill` shares only between 2+ rows)
-                prefix = kept.pop(0) if kept[0].size(0) < kept[1].size(0) else None
-                chunk = torch.cat(kept[:n + 1], 1)
-                del kept[:n + 1]
-                out[row:row + chunk.size(0), width + n - chunk.size(1):width + n] = chunk
-                if prefix is not None:
-                    index = torch.arange(row, row + chunk.size(0), device=chunk.device)[:, None]
-                    out[index, starts[index] + torch.arange(prefix.size(1), device=chunk.device)] = prefix
-                row += chunk.size(0)
-            return out
-        return replace(self, trunks={"policy": rows(pieces["trunk"])} if pieces["trunk"] else {},
-                       final_hidden=rows(pieces["final"]) if pieces["final"] else None)
-
-
-@contextmanager
-def kept_while_sampling(policy, fast: FastPaths | None):
-    """Keep what sampling computes anyway (#29), a piece per forward: the frozen blocks' output ("trunk") and the
-    final hidden states ("final"), as `fast.from_sampling` asks. A KV cache's states are not bit-identical to a
-    full forward's: `sampled_states_are_exact` checks them at start-up."""
-    keep, pieces, hooks = fast.from_sampling if fast else (), {"trunk": [], "final": []}, []
-    if "trunk" in keep:
-        hooks.append(transformer_blocks(policy)[1][fast.num_frozen["policy"] - 1].register_forward_hook(
-            lambda module, args, output: pieces["trunk"].append(output[0] if isinstance(output, tuple) else output)))
-    if "final" in keep:
-        hooks.append(unpeft(policy).base_model.register_forward_hook(
-            lambda module, args, output: pieces["final"].append(output.last_hidden_state)))
-    try:
-        yield pieces
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def sampled_states_are_exact(policy, queries, pad_token_id: int, fast: FastPaths, candidates: tuple,
-                             temperature: float, response_length: int, stop_token_id: int | None) -> tuple:
-    """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and responses
-    sampled as in a rollout: "trunk" if the log-probs computed from it (the policy's, and at start the reference's)
-    agree to `fused_head_is_exact`'s tolerance (sampling's own log-probs differ as much), "final" if the states do."""
-    fast = replace(fast, from_sampling=candidates)
-    with torch.no_grad(), kept_while_sampling(policy, fast) as pieces:
-        generator = torch.Generator(queries.device).manual_seed(0)
-        responses = generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id, generator,
-                             feed_last=True, share_prefix=fast.shared_prefix)[0]
-    qr = torch.cat((queries, responses), 1)
-    real = qr != pad_token_id
-    kept = fast.kept(pieces, real[:, :queries.size(1)], [responses.size(1)], qr.size(1))
-
-    def pair(name):
-        if name == "trunk":
-            return [response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature, paths)[0][
-                real[:, queries.size(1):]] for paths in (replace(kept, final_hidden=None), None)]
-        return kept.final_hidden[real], final_hidden_states(policy, qr, pad_token_id)[real]
-
-    with torch.no_grad():
-        return tuple(name for name in candidates if torch.allclose(*pair(name), rtol=1e-4, atol=1e-4))
-
-
-def shared_prefix_is_exact(policy, queries, pad_token_id: int) -> bool:
-    """Whether `prefill` with the prefix these queries share run once gives the full prefill's next-token logits; a
-    cache that cannot repeat its rows (a linear-attention layer's) refuses it."""
-    try:
-        with torch.no_grad():
-            return torch.allclose(*(prefill(policy, queries, pad_token_id, share)[0].logits for share in (True, False)),
-                                  rtol=1e-4, atol=1e-4)
-    except (AttributeError, NotImplementedError):
-        return False
-
-
-def policy_logits(policy, query_responses, pad_token_id, context_length, fast: FastPaths | None = None):
+def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    inputs, blocks = backbone_inputs(policy, query_responses, pad_token_id, fast.trunk("policy") if fast else None)
-    with blocks:
-        out = policy(**inputs, logits_to_keep=response_length + 1, use_cache=False)
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
     return out.logits[:, :-1]
 
 
-class HeadLogprobs(torch.autograd.Function):
-    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a block of the vocabulary at a time for all
-    rows, with a running logsumexp (flash attention's online softmax): a block's logits and exponentials, in two
-    buffers every block reuses, are the only (words, rows) tensors. The backward recomputes them. Both outputs carry
-    their gradients."""
-
-    @staticmethod
-    def logits(hidden, weight, start, temperature, pad_token_id, buffer):
-        """scale_logits(hidden @ weight.T).T for a block of words, the first being word `start`, in `buffer`; the
-        temperature applied inside the product, except under autocast, where the product rounds first as in the
-        model."""
-        out = buffer[:weight.size(0) * hidden.size(0)].view(weight.size(0), hidden.size(0))
-        if torch.is_autocast_enabled(hidden.device.type) or not hidden.dtype == weight.dtype == out.dtype:
-            out.copy_((hidden @ weight.T).T).div_(temperature + 1e-7)
-        else:
-            torch.addmm(out, weight, hidden.T, beta=0, alpha=1 / (temperature + 1e-7), out=out)
-        if 0 <= pad_token_id - start < out.size(0):
-            out[pad_token_id - start] = torch.finfo(out.dtype).min
-        return out
-
-    @staticmethod
-    def in_block(tokens, start, words):
-        """(each row's token as a row of this block, clamped into it; whether it is in the block)."""
-        local = tokens - start
-        return local.clamp(0, words - 1).unsqueeze(0), (local >= 0) & (local < words)
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, block, with_entropy):
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        buffer, scratch = (hidden.new_empty(block * hidden.size(0), dtype=dtype) for _ in range(2))
-        m = hidden.new_full((hidden.size(0),), torch.finfo(dtype).min, dtype=dtype)  # running max, sum of exp(l - m)
-        s, u, picked = (hidden.new_zeros(hidden.size(0), dtype=dtype) for _ in range(3))  # u: sum of exp(l - m) (m - l)
-        for start in range(0, weight.size(0), block):
-            logits = HeadLogprobs.logits(hidden, weight[start:start + block], start, temperature, pad_token_id, buffer)
-            local, found = HeadLogprobs.in_block(tokens, start, logits.size(0))
-            picked = torch.where(found, logits.gather(0, local).squeeze(0), picked)
-            new_m = torch.maximum(m, logits.amax(0))
-            rescale = torch.exp(m - new_m)  # the earlier blocks' sums at the new maximum (0 before the first block)
-            shifted = logits.sub_(new_m)
-            e = torch.exp(shifted, out=scratch[:shifted.numel()].view_as(shifted))
-            if with_entropy:  # -sum p log p = log s + u / s: every term >= 0, nothing cancels
-                u = rescale * (u + (new_m - m) * s) - shifted.mul_(e).sum(0)
-            s, m = s * rescale + e.sum(0), new_m
-        lse = s.log() + m
-        entropy = s.log() + u / s if with_entropy else lse.new_zeros(0)
-        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
-        ctx.temperature, ctx.pad_token_id, ctx.block = temperature, pad_token_id, block
-        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
-        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
-                            dtype=torch.get_autocast_dtype(device))
-        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
-        return picked - lse, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
-        # d logprob / d logits = (onehot(token) - softmax) / T; the pad word's softmax is exactly 0
-        g = (torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs) / (ctx.temperature + 1e-7)
-        ge = grad_entropy / (ctx.temperature + 1e-7) if grad_entropy is not None else None
-        grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
-        buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
-        # for the weight gradient: cast once, not per block (a copy when the states are not float32)
-        hidden_float = hidden.to(lse.dtype) if grad_weight is not None else None
-        for start in range(0, weight.size(0), ctx.block):
-            w = weight[start:start + ctx.block]
-            # the backward runs outside autocast: logits recomputed in float32 would not match the saved logsumexp
-            # of bf16 logits
-            with torch.autocast(**ctx.autocast):
-                logp = HeadLogprobs.logits(hidden, w, start, ctx.temperature, ctx.pad_token_id, buffer).sub_(lse)
-            if ge is None:
-                grad = logp.exp_().mul_(-g)
-            else:  # and d entropy / d logits = -p (log p + entropy) / T, formed as p (...) first: 0 for the pad word
-                p = torch.exp(logp, out=scratch[:logp.numel()].view_as(logp))
-                grad = logp.add_(entropy).mul_(p).mul_(ge).add_(p.mul_(g)).neg_()
-            local, found = HeadLogprobs.in_block(tokens, start, w.size(0))
-            grad.scatter_add_(0, local, torch.where(found, g, 0).unsqueeze(0))
-            if grad_hidden is not None:  # summed over the blocks, in float32
-                grad_hidden.addmm_(grad.T, w.to(grad.dtype), beta=start > 0)
-            if grad_weight is not None:
-                torch.mm(grad, hidden_float, out=grad_weight[start:start + ctx.block])
-        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None)
-
-
-def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
-    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`, in blocks
-    of about `chunk_elements` logits."""
-    shape, hidden = tokens.shape, hidden.reshape(-1, hidden.size(-1))
-    block = max(1, chunk_elements // max(1, hidden.size(0)))  # words per block
-    logprobs, entropy = HeadLogprobs.apply(hidden, weight, tokens.reshape(-1), temperature, pad_token_id, block,
-                                           with_entropy)
-    return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
+def final_hidden_states(model, query_responses, pad_token_id):
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
+    return unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      fast: FastPaths | None = None, with_entropy=False):
-    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution; `fast.fused_head`: through
-    `head_logprobs`, without (batch, length, vocab) logits."""
-    if fast and fast.fused_head:
-        hidden = final_hidden_states(policy, query_responses, pad_token_id, fast.trunk("policy"))
-        return head_logprobs(hidden[:, context_length - 1 : -1], policy.get_output_embeddings().weight, response_ids,
-                             temperature, pad_token_id, with_entropy)
-    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length, fast), temperature,
+                      with_entropy=False):
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution."""
+    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
                           pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
     entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
     return logprobs_from_logits(logits, response_ids), entropy
 
 
-def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
-    """Whether the fused path reproduces the model's own head on these sequences (not for a head that
-    scales, caps or biases its logits)."""
-    head = policy.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None:  # e.g. a LoRA-wrapped head: its weight is not all of it
-        return False
-    ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
-    with torch.no_grad():
-        fused = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, FastPaths(True),
-                                  with_entropy=True)
-        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
-        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
-
-
-def value_forward(value_model, query_responses, pad_token_id, context_length, fast: FastPaths | None = None,
-                  head=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None):
     """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
     on the policy, whose LM head does not run) or the value model's `score`."""
-    trunk = fast.trunk("value" if head is None else "policy") if fast else None
-    hidden = (fast.final_hidden if head is not None and fast and fast.final_hidden is not None else
-              final_hidden_states(value_model, query_responses, pad_token_id, trunk))[:, context_length - 1 : -1]
+    hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
     return (value_model.score if head is None else head)(hidden).squeeze(-1).float()
 
 
@@ -1314,58 +1041,33 @@ class PolicyAndValueWrapper(nn.Module):
         self.value_model = value_model
         self.value_head = value_head
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fast=None):
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, paths=None):
         """(log-probs, entropies, values) of the responses; --shared-value-head: the values from the same policy
-        forward, whose final hidden states a hook keeps."""
+        forward, whose final hidden states a hook keeps. `paths`: the speed layer's forwards instead (`FastPaths`)."""
+        logprobs_of, values_of = (response_logprobs, value_forward) if paths is None else (
+            paths.response_logprobs, paths.value_forward)
         hidden = []
         hook = unpeft(self.policy).base_model.register_forward_hook(
             lambda module, args, output: hidden.append(output.last_hidden_state))
         try:
-            logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
-                                                  response_ids, temperature, fast, with_entropy=True)
+            logprobs, entropy = logprobs_of(self.policy, query_responses, pad_token_id, context_length, response_ids,
+                                            temperature, with_entropy=True)
         finally:
             hook.remove()
         if self.value_head is not None:
             return logprobs, entropy, self.value_head(hidden[0][:, context_length - 1 : -1]).squeeze(-1).float()
-        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length, fast)
-
-
-def prefill(policy, queries, pad_token_id, share_prefix=False):
-    """Sampling's first forward: (output, attention mask, last position ids). `share_prefix` (#29): the tokens every
-    row starts with (a chat template's) run once, their KV cache is repeated for each row, and then each row's
-    [padding, rest] runs; `kept_while_sampling` sees the prefix as a piece with one row."""
-    inputs = model_inputs(queries, pad_token_id)
-    real = inputs["attention_mask"].bool()
-    starts, shortest, n = real.int().argmax(1), int(real.sum(1).min()), 0
-    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
-    if share_prefix and queries.size(0) > 1:  # the longest common prefix, each row keeping a token of its own
-        aligned = queries.gather(1, starts[:, None] + torch.arange(shortest, device=queries.device))
-        same = (aligned == aligned[:1]).all(0) & (aligned[0] != pad_token_id)  # a pad id is masked, not shared
-        n = min(int(same.cumprod(0).sum()), shortest - 1)
-    if n < 1:
-        out = policy(**inputs, use_cache=True, logits_to_keep=last)
-        return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    cache = policy(input_ids=aligned[:1, :n], position_ids=torch.arange(n, device=queries.device)[None],
-                   use_cache=True, logits_to_keep=last).past_key_values
-    cache.batch_repeat_interleave(queries.size(0))
-    width = queries.size(1) - int(starts.min()) - n  # the rest of every row, left-padded as the queries are
-    mask = real[:, -width:] & (torch.arange(queries.size(1) - width, queries.size(1), device=queries.device)
-                               >= (starts + n)[:, None])
-    position_ids = n + mask.cumsum(1) - mask.long()
-    attention_mask = torch.cat((mask.new_ones(mask.size(0), n), mask), 1).long()
-    out = policy(input_ids=queries[:, -width:].masked_fill(~mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=last)
-    return out, attention_mask, position_ids[:, -1:]
+        return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
 
 
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-             synced=False, feed_last=False, share_prefix=False):
+             synced=False):
     """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
-    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done; `feed_last`: the last
-    tokens go through the model too, so that every position's states pass `kept_while_sampling`'s hooks;
-    `share_prefix`: see `prefill`."""
-    out, attention_mask, position_ids = prefill(policy, queries, pad_token_id, share_prefix)
+    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
+    inputs = model_inputs(queries, pad_token_id)
+    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
+    out = policy(**inputs, use_cache=True, logits_to_keep=last)
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
@@ -1380,15 +1082,12 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         if synced:
             done = done.float()
             torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-        last = step == response_length - 1 or bool(done)
-        if last and not feed_last:
+        if step == response_length - 1 or done:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-        if last:
-            break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
@@ -1402,11 +1101,11 @@ class Models:
     ref_policy: nn.Module | None  # None with --use-peft: the policy with its adapter off (`reference_adapter`)
     value_model: nn.Module | None  # None with --shared-value-head
     value_head: nn.Linear | None
-    fast: FastPaths  # the exact speed paths found at start-up, without this update's trunks
+    forwards: "Forwards"  # what main's phases run: plain, or through the speed layer (the file's last section)
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, reference, value model or head, reward models, the exact fast paths, optimizer, accelerate."""
+    """Policy, reference, value model or head, reward models, the forwards (`Forwards`), optimizer, accelerate."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
@@ -1437,25 +1136,13 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if args.gradient_checkpointing:
         for m in trained_models:  # the policy's transformers model, also inside its adapter's PeftModel
             enable_gradient_checkpointing(m)
-    # the fast paths, only where a forward on the first two prompts shows them exact (a silent error otherwise:
-    # GPT-2 adds position embeddings inside its backbone; some heads scale or cap their logits); not under ZeRO-3,
-    # whose sharded weights are whole only inside DeepSpeed's forward hooks
-    first_queries = left_pad(setup.train_dataset[:2]["input_ids"], setup.tokenizer.pad_token_id)
-    num_frozen = {}
-    if args.num_trainable_layers is not None and not setup.zero3:
-        for name, m in (("policy", policy), ("value", value_model)):
-            frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers if m is not None else 0
-            if frozen > 0 and adapter_free_trunk(m, frozen) and split_forward_is_exact(
-                    m, first_queries, setup.tokenizer.pad_token_id, frozen):
-                num_frozen[name] = frozen
-    fused_head = not setup.zero3 and fused_head_is_exact(policy, first_queries, setup.tokenizer.pad_token_id,
-                                                         args.temperature)
-    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
-    value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
+    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()
     model = PolicyAndValueWrapper(policy, value_model, value_head)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0, fused=True)
+    for group in optimizer.param_groups:  # where main's linear anneal starts each group (a second one keeps its own)
+        group["initial_lr"] = group["lr"]
     model, optimizer = accelerator.prepare(model, optimizer)
     if setup.zero3:  # the frozen models sharded too, in the trained models' precision
         for m in frozen_models:
@@ -1464,23 +1151,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
-    # states sampling computes anyway (#29), kept where a KV cache gives a full forward's on this device, in this
-    # precision, over a rollout's length (bf16 drifts after about 10 tokens)
-    candidates = () if setup.zero3 else tuple(
-        name for name, use in (("trunk", "policy" in num_frozen), ("final", value_head is not None)) if use)
-    probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
-    probe_queries = left_pad(probe_rows, pad_token_id).to(accelerator.device)
-    shared = min(len(row) for row in probe_rows) - 1  # a prefix the probe is sure to share: the first row's start
-    shared_probe = left_pad([probe_rows[0][:shared] + row[shared:] for row in probe_rows], pad_token_id)
-    with accelerator.autocast():
-        shared_prefix = not setup.zero3 and len(probe_rows) > 1 and shared > 0 and shared_prefix_is_exact(
-            policy, shared_probe.to(accelerator.device), pad_token_id)
-        kept = sampled_states_are_exact(policy, probe_queries, pad_token_id, FastPaths(
-            num_frozen=num_frozen, shared_prefix=shared_prefix), candidates, args.temperature, args.response_length,
-            setup.stop_token_id) if candidates else ()
-    return Models(model, optimizer, policy, ref_policy, value_model, value_head, FastPaths(
-        fused_head, num_frozen, value_shares_trunk, kept, tuple(name for name in candidates if name not in kept),
-        shared_prefix=shared_prefix))
+    forwards.probe_sampling(args, accelerator, setup, policy)  # on the prepared policy, in the run's precision
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head, forwards)
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
@@ -2011,64 +1683,75 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+class Forwards:
+    """The seam between `main` and the models: the forwards its phases run. Here the plain computation (what
+    --no-fast-paths runs); `SpeedLayer`, the file's last section, overrides each method with exact shortcuts."""
+
+    def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
+        """Phase 1: (responses cut after the stop token, their log-probs)."""
+        return sample_responses(accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator)
+
+    def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
+        """Phase 2: (reference log-probs, values or None, the exact per-token KL or None)."""
+        return reference_and_values(models, query_responses, response_ids, context_length, args, pad_token_id,
+                                    with_values)
+
+    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+        """Phase 6: (log-probs, entropies, values) of these rows of the rollout, with gradients."""
+        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], temperature)
+
+    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+        """The policy's log-probs of these rows of the rollout (the --ratio-threshold guard)."""
+        return response_logprobs(policy, query_responses[rows], pad_token_id, context_length, response_ids[rows],
+                                 temperature)[0]
+
+    def probe_sampling(self, args, accelerator, setup, policy):
+        """The plain path has nothing to probe."""
+
+    def describe(self) -> str:
+        return "fast paths: off (--no-fast-paths)"
+
+
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None, fast: FastPaths | None = None):
-    """(responses cut after the stop token, log-probs, `fast` with the states kept while sampling), in chunks;
-    `fast`: also whether the queries' common prefix runs once (`prefill`)."""
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
     chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
-            kept_while_sampling(sampler, fast) as pieces:
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
         generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced, feed_last=bool(fast and fast.from_sampling),
-                              share_prefix=bool(fast and fast.shared_prefix)) for i in range(0, queries.size(0), chunk)]
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    kept = fast.kept(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
-                     queries.size(1) + responses.size(1)) if fast else None
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs, kept
+    return responses, logprobs
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, kept: FastPaths, with_values=True):
+                         context_length: int, args: Args, pad_token_id: int, with_values=True):
     """The rollout's no-grad forwards (an evaluation's: without values), in chunks: reference log-probs, values (or
-    None), the exact KL (or None) and the fast paths with the frozen trunks this update's later forwards start from
-    (`kept`: what sampling kept of them)."""
-    ref_logprobs, values, fasts, full_kls = [], [], [], []
+    None) and the exact KL (or None)."""
+    ref_logprobs, values, full_kls = [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
     chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
-        # the reference shares the policy's frozen blocks: the same SFT weights, never trained
-        fast = kept.rows(slice(i, i + chunk)).with_trunks({"policy": policy, "value": value_model} if with_values
-                                                          else {"policy": policy}, qr, pad_token_id)
         # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())
         with reference:
-            if full:  # the policy's whole distribution too, one chunk at a time
-                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length, fast),
-                                       args.temperature, pad_token_id)
-            else:
-                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature, fast)[0]
-        if full:
-            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
-            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length, fast),
+            ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length), args.temperature,
+                                   pad_token_id)
+        ref_logprobs.append(logprobs_from_logits(ref_out, ids))
+        if full:  # the policy's whole distribution too, one chunk at a time
+            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length),
                                                  args.temperature, pad_token_id), ref_out))
-        else:
-            ref_logprobs.append(ref_out)
         del ref_out
         if with_values:
-            values.append(value_forward(value_model, qr, pad_token_id, context_length, fast) if value_head is None
-                          else value_forward(policy, qr, pad_token_id, context_length, fast, value_head))
-        fasts.append(fast)
-    # a trunk sampling kept is already whole: no second copy of it
-    fast = replace(models.fast, trunks={k: kept.trunks[k] if k in kept.trunks else
-                                        torch.cat([f.trunks[k] for f in fasts]) for k in fasts[0].trunks})
+            values.append(value_forward(value_model, qr, pad_token_id, context_length) if value_head is None
+                          else value_forward(policy, qr, pad_token_id, context_length, value_head))
     values = torch.cat(values) if with_values else None
-    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None, fast
+    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
@@ -2083,7 +1766,7 @@ def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args
 
 
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
-                      response_ids, logprobs, padding_mask, fast: FastPaths, pad_token_id: int) -> bool:
+                      response_ids, logprobs, padding_mask, pad_token_id: int) -> bool:
     """--ratio-threshold: whether a minibatch's masked mean ratio over all processes, from a no-grad forward, exceeds
     the threshold; then every process skips it whole (classic TRL zeroed the loss but still stepped Adam)."""
     if args.ratio_threshold is None:
@@ -2092,8 +1775,8 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
     context_length = query_responses.size(1) - response_ids.size(1)
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
-            new = response_logprobs(models.policy, query_responses[mbi], pad_token_id, context_length,
-                                    response_ids[mbi], args.temperature, fast.rows(mbi))[0]
+            new = models.forwards.logprobs(models.policy, mbi, query_responses, pad_token_id, context_length,
+                                           response_ids, args.temperature)
             real = ~padding_mask[mbi]
             total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
@@ -2107,14 +1790,14 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
-        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
-                                                     pad_token_id, setup.stop_token_id, generator, models.fast)
+        responses, logprobs = models.forwards.sample(accelerator, models.model, eval_queries, args, setup.zero3,
+                                                     pad_token_id, setup.stop_token_id, generator)
         held_out = setup.eval_rows[:]
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
-        ref_logprobs, _, full_kl_per_token, _ = reference_and_values(
+        ref_logprobs, _, full_kl_per_token = models.forwards.score(
             models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
-            eval_queries.size(1), args, pad_token_id, kept, with_values=False)
+            eval_queries.size(1), args, pad_token_id, with_values=False)
         padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
         kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
     if accelerator.is_main_process:  # a reward's None stays None in the rows
@@ -2319,6 +2002,586 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
         unwrapped.value_model.save_pretrained(value_path, state_dict=sub_state(state_dict, "value_model"))
     policy_saved = "the policy adapter" if args.use_peft else "the policy"
     console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
+
+
+# ---- The speed layer: exact shortcuts behind one seam ----------------------------------------------------------------
+# Everything below is optional: delete it and the line of `load_models` that builds a `SpeedLayer`, and the script runs
+# the plain forwards above (as --no-fast-paths does). Each shortcut is switched on only where a start-up probe on the
+# run's device and precision finds it within 1e-4 of the plain computation; the banner names what runs.
+class SpeedLayer(Forwards):
+    """`main`'s forwards (`Forwards`) through the shortcuts its probes accept: the fused LM head (`HeadLogprobs`), the
+    frozen bottom blocks run once per update (`frozen_trunk`), states kept while sampling (`kept_while_sampling`), the
+    prompts' common prefix run once (`prefill`), and on CUDA a compiled static-cache sampler (`StaticSampler`)."""
+
+    def __init__(self, args: Args, setup: Setup, policy, value_model, value_head):
+        """The probes that need the models as loaded (before accelerate wraps them)."""
+        pad_token_id, self.zero3 = setup.tokenizer.pad_token_id, setup.zero3
+        # not under ZeRO-3, whose sharded weights are whole only inside DeepSpeed's forward hooks; a silent error
+        # elsewhere (GPT-2 adds position embeddings inside its backbone; some heads scale or cap their logits)
+        first_queries = left_pad(setup.train_dataset[:2]["input_ids"], pad_token_id)
+        num_frozen = {}
+        if args.num_trainable_layers is not None and not setup.zero3:
+            for name, m in (("policy", policy), ("value", value_model)):
+                frozen = len(transformer_blocks(m)[1]) - args.num_trainable_layers if m is not None else 0
+                if frozen > 0 and adapter_free_trunk(m, frozen) and split_forward_is_exact(
+                        m, first_queries, pad_token_id, frozen):
+                    num_frozen[name] = frozen
+        fused_head = not setup.zero3 and fused_head_is_exact(policy, first_queries, pad_token_id, args.temperature)
+        # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
+        value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
+        self.paths = self.update = FastPaths(fused_head, num_frozen, value_shares_trunk)
+        self.static, self.static_note = None, "off (CUDA only)"
+        self.keep_candidates = tuple(name for name, use in (("trunk", "policy" in num_frozen),
+                                                            ("final", value_head is not None)) if use)
+
+    def probe_sampling(self, args: Args, accelerator: Accelerator, setup: Setup, policy):
+        """The probes of sampling, on the prepared models, under the run's autocast: the shared prefix, then the
+        compiled sampler (CUDA) or, without it, the states a KV cache keeps (bf16 drifts after about 10 tokens)."""
+        probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
+        queries = left_pad(probe_rows, pad_token_id).to(accelerator.device)
+        shared = min(len(row) for row in probe_rows) - 1  # a prefix the probe is sure to share: the first row's start
+        shared_queries = left_pad([probe_rows[0][:shared] + row[shared:] for row in probe_rows], pad_token_id)
+        with accelerator.autocast():
+            shared_prefix = not self.zero3 and len(probe_rows) > 1 and shared > 0 and shared_prefix_is_exact(
+                policy, shared_queries.to(accelerator.device), pad_token_id)
+            self.paths = replace(self.paths, shared_prefix=shared_prefix)
+            if args.compile_sampler and accelerator.device.type == "cuda" and not self.zero3:
+                static = StaticSampler(args.local_rollout_forward_batch_size, compile=True)
+                accepted, self.static_note = static.probe(policy, queries, pad_token_id, args, setup.stop_token_id,
+                                                          shared_prefix)
+                self.static = static if accepted else None
+            elif args.compile_sampler and self.zero3:
+                self.static_note = "off (refused under ZeRO-3: the policy is gathered from its shards per rollout)"
+            elif not args.compile_sampler:
+                self.static_note = "off (--no-compile-sampler)"
+            candidates = () if self.zero3 or self.static else self.keep_candidates
+            kept = sampled_states_are_exact(policy, queries, pad_token_id, FastPaths(
+                num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates, args.temperature,
+                args.response_length, setup.stop_token_id) if candidates else ()
+        self.paths = self.update = replace(self.paths, from_sampling=kept,
+                                           refused=tuple(name for name in candidates if name not in kept))
+
+    def describe(self) -> str:
+        """The banner's line: the paths the start-up probes found exact (the others compute in full)."""
+        p = self.paths
+        trunks = ", ".join(f"{name} {n} blocks" for name, n in p.num_frozen.items()) or "none"
+        refused = f" (refused, a KV cache's differ here: {', '.join(p.refused)})" if p.refused else ""
+        return (f"fast paths: fused LM head {'on' if p.fused_head else 'off'}; frozen trunks: {trunks}; kept "
+                f"while sampling: {', '.join(p.from_sampling) or 'nothing'}{refused}; shared prompt prefix "
+                f"{'on' if p.shared_prefix else 'off'}; compiled sampler {self.static_note}")
+
+    def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
+        """Phase 1, keeping what sampling computes anyway for `score` (this update's frozen trunk, final states)."""
+        self.update, chunk = self.paths, args.local_rollout_forward_batch_size  # the last update's trunks are freed
+        with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
+                kept_while_sampling(sampler, self.paths) as pieces:
+            generated = [fast_generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
+                                       args.temperature, stop_token_id, generator, synced,
+                                       feed_last=bool(self.paths.from_sampling), share_prefix=self.paths.shared_prefix,
+                                       static=self.static) for i in range(0, queries.size(0), chunk)]
+        responses = pad_right([r for r, _ in generated], pad_token_id)
+        logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+        self.update = self.paths.kept(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
+                                      queries.size(1) + responses.size(1))
+        if stop_token_id is not None:
+            responses = truncate_response(stop_token_id, pad_token_id, responses)
+        return responses, logprobs
+
+    def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
+        """Phase 2 from what sampling kept; the frozen trunks it computes stay for `train` and `logprobs`."""
+        ref_logprobs, values, chunks, full_kls = [], [], [], []
+        policy, value_model, value_head, kept = models.policy, models.value_model, models.value_head, self.update
+        ref_model = policy if models.ref_policy is None else models.ref_policy
+        chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
+        for i in range(0, query_responses.size(0), chunk):
+            qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
+            # the reference shares the policy's frozen blocks: the same SFT weights, never trained
+            paths = kept.rows(slice(i, i + chunk)).with_trunks({"policy": policy, "value": value_model} if with_values
+                                                               else {"policy": policy}, qr, pad_token_id)
+            reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
+                         if args.use_peft else nullcontext())
+            with reference:
+                if full:
+                    ref_out = scale_logits(paths.policy_logits(ref_model, qr, pad_token_id, context_length),
+                                           args.temperature, pad_token_id)
+                else:
+                    ref_out = paths.response_logprobs(ref_model, qr, pad_token_id, context_length, ids,
+                                                      args.temperature)[0]
+            if full:
+                ref_logprobs.append(logprobs_from_logits(ref_out, ids))
+                full_kls.append(full_kl(scale_logits(paths.policy_logits(policy, qr, pad_token_id, context_length),
+                                                     args.temperature, pad_token_id), ref_out))
+            else:
+                ref_logprobs.append(ref_out)
+            del ref_out
+            if with_values:
+                values.append(paths.value_forward(value_model, qr, pad_token_id, context_length) if value_head is None
+                              else paths.value_forward(policy, qr, pad_token_id, context_length, value_head))
+            chunks.append(paths)
+        # a trunk sampling kept is already whole: no second copy of it
+        self.update = replace(self.paths, trunks={k: kept.trunks[k] if k in kept.trunks else
+                                                  torch.cat([c.trunks[k] for c in chunks]) for k in chunks[0].trunks})
+        values = torch.cat(values) if with_values else None
+        return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
+
+    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], temperature,
+                     self.update.rows(rows))
+
+    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+        return self.update.rows(rows).response_logprobs(policy, query_responses[rows], pad_token_id, context_length,
+                                                        response_ids[rows], temperature)[0]
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """The shortcuts the probes accepted, and the forwards through them (the plain forwards' signatures): the fused
+    LM head, the output of frozen bottom blocks computed once per update (`with_trunks`) or kept while sampling
+    (with the final hidden states a value head reads). FastPaths() computes what the plain forwards compute."""
+    fused_head: bool = False
+    num_frozen: dict = field(default_factory=dict)  # "policy"/"value": the bottom blocks no forward needs to rerun
+    value_shares_trunk: bool = False  # the value model starts from the policy's weights: one trunk serves both
+    from_sampling: tuple = ()  # what sampling keeps of the policy's states: "trunk", "final" (for a value head)
+    refused: tuple = ()  # what it would keep, had the start-up check found it close to a full forward
+    trunks: dict = field(default_factory=dict)  # "policy"/"value": their output, a row per sequence
+    final_hidden: torch.Tensor | None = None  # the policy's, kept while sampling, until the values are read
+    shared_prefix: bool = False  # sampling runs the queries' common prefix once (`prefill`)
+
+    def trunk(self, name: str):
+        """(hidden states after the frozen blocks, their number) for `trunk_hidden_states`, or None."""
+        name = "policy" if name == "value" and self.value_shares_trunk else name
+        return (self.trunks[name], self.num_frozen[name]) if name in self.trunks else None
+
+    def with_trunks(self, models: dict, query_responses, pad_token_id: int) -> "FastPaths":
+        """These paths with the trunks of these sequences that sampling did not keep computed (`models`:
+        "policy"/"value" -> the model; a name left out gets no trunk)."""
+        return replace(self, trunks={name: self.trunks[name] if name in self.trunks else
+                                     frozen_trunk(models[name], query_responses, pad_token_id, n)
+                                     for name, n in self.num_frozen.items()
+                                     if name in models and not (name == "value" and self.value_shares_trunk)})
+
+    def rows(self, index) -> "FastPaths":
+        """Restricted to some rows (a micro-batch)."""
+        return replace(self, trunks={name: hidden[index] for name, hidden in self.trunks.items()},
+                       final_hidden=None if self.final_hidden is None else self.final_hidden[index])
+
+    def policy_logits(self, policy, query_responses, pad_token_id, context_length):
+        """`policy_logits`, from the policy's frozen trunk where these paths hold it."""
+        response_length = query_responses.size(1) - context_length
+        inputs, blocks = backbone_inputs(policy, query_responses, pad_token_id, self.trunk("policy"))
+        with blocks:
+            out = policy(**inputs, logits_to_keep=response_length + 1, use_cache=False)
+        return out.logits[:, :-1]
+
+    def response_logprobs(self, policy, query_responses, pad_token_id, context_length, response_ids, temperature,
+                          with_entropy=False):
+        """`response_logprobs`; with the fused head, through `head_logprobs`, without (batch, length, vocab) logits."""
+        if self.fused_head:
+            hidden = trunk_hidden_states(policy, query_responses, pad_token_id, self.trunk("policy"))
+            return head_logprobs(hidden[:, context_length - 1 : -1], policy.get_output_embeddings().weight,
+                                 response_ids, temperature, pad_token_id, with_entropy)
+        logits = scale_logits(self.policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
+                              pad_token_id)
+        entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
+        return logprobs_from_logits(logits, response_ids), entropy
+
+    def value_forward(self, value_model, query_responses, pad_token_id, context_length, head=None):
+        """`value_forward`, from a trunk, or (a value head) from the final states sampling kept."""
+        hidden = (self.final_hidden if head is not None and self.final_hidden is not None else trunk_hidden_states(
+            value_model, query_responses, pad_token_id, self.trunk("value" if head is None else "policy")))
+        return (value_model.score if head is None else head)(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+
+    def kept(self, pieces: dict, real: torch.Tensor, lengths: list[int], total_length: int) -> "FastPaths":
+        """These paths with the states `kept_while_sampling` kept while chunks of queries (`real`: their tokens, not
+        padding) got `lengths` new tokens (`fast_generate(feed_last=True)`): a chunk's prefill (`prefill`: maybe a
+        shared prefix, then each row's rest, right-aligned), then one piece per token; columns no forward ran get
+        zeros. The pieces arrive in this order because `kept_while_sampling` appends one per forward."""
+        starts, width = real.int().argmax(1), real.size(1)
+
+        def assemble(pieces: list):
+            out, row = pieces[0].new_zeros(real.size(0), total_length, pieces[0].size(-1)), 0
+            for n in lengths:
+                # a one-row piece before a wider one: a shared prefix (`prefill` shares only between 2+ rows)
+                prefix = pieces.pop(0) if pieces[0].size(0) < pieces[1].size(0) else None
+                chunk = torch.cat(pieces[:n + 1], 1)
+                del pieces[:n + 1]
+                out[row:row + chunk.size(0), width + n - chunk.size(1):width + n] = chunk
+                if prefix is not None:
+                    index = torch.arange(row, row + chunk.size(0), device=chunk.device)[:, None]
+                    out[index, starts[index] + torch.arange(prefix.size(1), device=chunk.device)] = prefix
+                row += chunk.size(0)
+            return out
+        return replace(self, trunks={"policy": assemble(pieces["trunk"])} if pieces["trunk"] else {},
+                       final_hidden=assemble(pieces["final"]) if pieces["final"] else None)
+
+
+@contextmanager
+def blocks_only(model: nn.Module, start: int, stop: int | None = None):
+    """Run the backbone through blocks[start:stop] alone; per-block config lists (layer_types...) are sliced too."""
+    name, blocks = transformer_blocks(model)
+    backbone = unpeft(model).base_model
+    per_block = {k: v for k, v in vars(backbone.config).items() if isinstance(v, list) and len(v) == len(blocks)}
+    setattr(backbone, name, blocks[start:stop])
+    for key, values in per_block.items():
+        setattr(backbone.config, key, values[start:stop])
+    try:
+        yield
+    finally:
+        setattr(backbone, name, blocks)
+        for key, values in per_block.items():
+            setattr(backbone.config, key, values)
+
+
+def backbone_inputs(model, query_responses, pad_token_id, trunk):
+    """Model inputs and a context: the whole model, or (trunk = (hidden states, num_frozen)) the top blocks alone."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    hidden, num_frozen = trunk
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": hidden}, blocks_only(model, num_frozen)
+
+
+def trunk_hidden_states(model, query_responses, pad_token_id, trunk=None):
+    """`final_hidden_states`, starting from a frozen trunk's output (trunk = (hidden states, num_frozen)) if given."""
+    inputs, blocks = backbone_inputs(model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
+
+
+def frozen_trunk(model, query_responses, pad_token_id, num_frozen: int) -> torch.Tensor:
+    """Hidden states after the embeddings and the `num_frozen` frozen bottom blocks: computed once per update, every
+    later forward (`trunk=`) runs only the top blocks."""
+    outputs = []
+    hook = transformer_blocks(model)[1][num_frozen - 1].register_forward_hook(
+        lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
+    try:
+        with blocks_only(model, 0, num_frozen):
+            unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+    finally:
+        hook.remove()
+    return outputs[0]
+
+
+def split_forward_is_exact(model, query_responses: torch.Tensor, pad_token_id: int, num_frozen: int) -> bool:
+    """Whether starting from `frozen_trunk` reproduces the full forward on these sequences."""
+    with torch.no_grad():
+        full = final_hidden_states(model, query_responses, pad_token_id)
+        trunk = (frozen_trunk(model, query_responses, pad_token_id, num_frozen), num_frozen)
+        return torch.allclose(full, trunk_hidden_states(model, query_responses, pad_token_id, trunk), rtol=1e-4,
+                              atol=1e-5)
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log softmax(scale_logits(hidden @ weight.T))[token] and its entropy, a block of the vocabulary at a time for all
+    rows, with a running logsumexp (flash attention's online softmax): a block's logits and exponentials, in two
+    buffers every block reuses, are the only (words, rows) tensors. The backward recomputes them. Both outputs carry
+    their gradients."""
+
+    @staticmethod
+    def logits(hidden, weight, start, temperature, pad_token_id, buffer):
+        """scale_logits(hidden @ weight.T).T for a block of words, the first being word `start`, in `buffer`; the
+        temperature applied inside the product, except under autocast, where the product rounds first as in the
+        model."""
+        out = buffer[:weight.size(0) * hidden.size(0)].view(weight.size(0), hidden.size(0))
+        if torch.is_autocast_enabled(hidden.device.type) or not hidden.dtype == weight.dtype == out.dtype:
+            out.copy_((hidden @ weight.T).T).div_(temperature + 1e-7)
+        else:
+            torch.addmm(out, weight, hidden.T, beta=0, alpha=1 / (temperature + 1e-7), out=out)
+        if 0 <= pad_token_id - start < out.size(0):
+            out[pad_token_id - start] = torch.finfo(out.dtype).min
+        return out
+
+    @staticmethod
+    def in_block(tokens, start, words):
+        """(each row's token as a row of this block, clamped into it; whether it is in the block)."""
+        local = tokens - start
+        return local.clamp(0, words - 1).unsqueeze(0), (local >= 0) & (local < words)
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, pad_token_id, block, with_entropy):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        buffer, scratch = (hidden.new_empty(block * hidden.size(0), dtype=dtype) for _ in range(2))
+        m = hidden.new_full((hidden.size(0),), torch.finfo(dtype).min, dtype=dtype)  # running max, sum of exp(l - m)
+        s, u, picked = (hidden.new_zeros(hidden.size(0), dtype=dtype) for _ in range(3))  # u: sum of exp(l - m) (m - l)
+        for start in range(0, weight.size(0), block):
+            logits = HeadLogprobs.logits(hidden, weight[start:start + block], start, temperature, pad_token_id, buffer)
+            local, found = HeadLogprobs.in_block(tokens, start, logits.size(0))
+            picked = torch.where(found, logits.gather(0, local).squeeze(0), picked)
+            new_m = torch.maximum(m, logits.amax(0))
+            rescale = torch.exp(m - new_m)  # the earlier blocks' sums at the new maximum (0 before the first block)
+            shifted = logits.sub_(new_m)
+            e = torch.exp(shifted, out=scratch[:shifted.numel()].view_as(shifted))
+            if with_entropy:  # -sum p log p = log s + u / s: every term >= 0, nothing cancels
+                u = rescale * (u + (new_m - m) * s) - shifted.mul_(e).sum(0)
+            s, m = s * rescale + e.sum(0), new_m
+        lse = s.log() + m
+        entropy = s.log() + u / s if with_entropy else lse.new_zeros(0)
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
+        ctx.temperature, ctx.pad_token_id, ctx.block = temperature, pad_token_id, block
+        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast (see there)
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
+        return picked - lse, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        # d logprob / d logits = (onehot(token) - softmax) / T; the pad word's softmax is exactly 0
+        g = (torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs) / (ctx.temperature + 1e-7)
+        ge = grad_entropy / (ctx.temperature + 1e-7) if grad_entropy is not None else None
+        grad_hidden = torch.empty_like(hidden, dtype=lse.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        buffer, scratch = (hidden.new_empty(ctx.block * hidden.size(0), dtype=lse.dtype) for _ in range(2))
+        # for the weight gradient: cast once, not per block (a copy when the states are not float32)
+        hidden_float = hidden.to(lse.dtype) if grad_weight is not None else None
+        for start in range(0, weight.size(0), ctx.block):
+            w = weight[start:start + ctx.block]
+            # the backward runs outside autocast: logits recomputed in float32 would not match the saved logsumexp
+            # of bf16 logits
+            with torch.autocast(**ctx.autocast):
+                logp = HeadLogprobs.logits(hidden, w, start, ctx.temperature, ctx.pad_token_id, buffer).sub_(lse)
+            if ge is None:
+                grad = logp.exp_().mul_(-g)
+            else:  # and d entropy / d logits = -p (log p + entropy) / T, formed as p (...) first: 0 for the pad word
+                p = torch.exp(logp, out=scratch[:logp.numel()].view_as(logp))
+                grad = logp.add_(entropy).mul_(p).mul_(ge).add_(p.mul_(g)).neg_()
+            local, found = HeadLogprobs.in_block(tokens, start, w.size(0))
+            grad.scatter_add_(0, local, torch.where(found, g, 0).unsqueeze(0))
+            if grad_hidden is not None:  # summed over the blocks, in float32
+                grad_hidden.addmm_(grad.T, w.to(grad.dtype), beta=start > 0)
+            if grad_weight is not None:
+                torch.mm(grad, hidden_float, out=grad_weight[start:start + ctx.block])
+        return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None, None)
+
+
+def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entropy=False, chunk_elements=2**22):
+    """(logprobs, entropy or empty) of `tokens` under scale_logits(hidden @ weight.T), by `HeadLogprobs`, in blocks
+    of about `chunk_elements` logits."""
+    shape, hidden = tokens.shape, hidden.reshape(-1, hidden.size(-1))
+    block = max(1, chunk_elements // max(1, hidden.size(0)))  # words per block
+    logprobs, entropy = HeadLogprobs.apply(hidden, weight, tokens.reshape(-1), temperature, pad_token_id, block,
+                                           with_entropy)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else entropy
+
+def fused_head_is_exact(policy, query_responses: torch.Tensor, pad_token_id: int, temperature: float) -> bool:
+    """Whether the fused path reproduces the model's own head on these sequences (not for a head that
+    scales, caps or biases its logits)."""
+    head = policy.get_output_embeddings()
+    if type(head) is not nn.Linear or head.bias is not None:  # e.g. a LoRA-wrapped head: its weight is not all of it
+        return False
+    ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
+    with torch.no_grad():
+        fused = FastPaths(True).response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature,
+                                                  with_entropy=True)
+        plain = response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, with_entropy=True)
+        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
+
+
+@contextmanager
+def kept_while_sampling(policy, paths: FastPaths):
+    """Keep what sampling computes anyway, a piece per forward: the frozen blocks' output ("trunk") and the final
+    hidden states ("final"), as `paths.from_sampling` asks. A KV cache's states are not bit-identical to a full
+    forward's: `sampled_states_are_exact` checks them at start-up."""
+    keep, pieces, hooks = paths.from_sampling, {"trunk": [], "final": []}, []
+    if "trunk" in keep:
+        hooks.append(transformer_blocks(policy)[1][paths.num_frozen["policy"] - 1].register_forward_hook(
+            lambda module, args, output: pieces["trunk"].append(output[0] if isinstance(output, tuple) else output)))
+    if "final" in keep:
+        hooks.append(unpeft(policy).base_model.register_forward_hook(
+            lambda module, args, output: pieces["final"].append(output.last_hidden_state)))
+    try:
+        yield pieces
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def sampled_states_are_exact(policy, queries, pad_token_id: int, paths: FastPaths, candidates: tuple,
+                             temperature: float, response_length: int, stop_token_id: int | None) -> tuple:
+    """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and responses
+    sampled as in a rollout: "trunk" if the log-probs computed from it (the policy's, and at start the reference's)
+    agree to `fused_head_is_exact`'s tolerance (sampling's own log-probs differ as much), "final" if the states do."""
+    paths = replace(paths, from_sampling=candidates)
+    with torch.no_grad(), kept_while_sampling(policy, paths) as pieces:
+        generator = torch.Generator(queries.device).manual_seed(0)
+        responses = fast_generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id,
+                                  generator, feed_last=True, share_prefix=paths.shared_prefix)[0]
+    qr = torch.cat((queries, responses), 1)
+    real = qr != pad_token_id
+    kept = paths.kept(pieces, real[:, :queries.size(1)], [responses.size(1)], qr.size(1))
+
+    def pair(name):
+        if name == "trunk":
+            return [p.response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature)[0][
+                real[:, queries.size(1):]] for p in (replace(kept, final_hidden=None), FastPaths())]
+        return kept.final_hidden[real], final_hidden_states(policy, qr, pad_token_id)[real]
+
+    with torch.no_grad():
+        return tuple(name for name in candidates if torch.allclose(*pair(name), rtol=1e-4, atol=1e-4))
+
+
+def prefill(policy, queries, pad_token_id, share_prefix=False):
+    """Sampling's first forward: (output, attention mask, last position ids). `share_prefix`: the tokens every
+    row starts with (a chat template's) run once, their KV cache is repeated for each row, and then each row's
+    [padding, rest] runs; `kept_while_sampling` sees the prefix as a piece with one row."""
+    inputs = model_inputs(queries, pad_token_id)
+    real = inputs["attention_mask"].bool()
+    starts, shortest, n = real.int().argmax(1), int(real.sum(1).min()), 0
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
+    if share_prefix and queries.size(0) > 1:  # the longest common prefix, each row keeping a token of its own
+        aligned = queries.gather(1, starts[:, None] + torch.arange(shortest, device=queries.device))
+        same = (aligned == aligned[:1]).all(0) & (aligned[0] != pad_token_id)  # a pad id is masked, not shared
+        n = min(int(same.cumprod(0).sum()), shortest - 1)
+    if n < 1:
+        out = policy(**inputs, use_cache=True, logits_to_keep=last)
+        return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    cache = policy(input_ids=aligned[:1, :n], position_ids=torch.arange(n, device=queries.device)[None],
+                   use_cache=True, logits_to_keep=last).past_key_values
+    cache.batch_repeat_interleave(queries.size(0))
+    width = queries.size(1) - int(starts.min()) - n  # the rest of every row, left-padded as the queries are
+    mask = real[:, -width:] & (torch.arange(queries.size(1) - width, queries.size(1), device=queries.device)
+                               >= (starts + n)[:, None])
+    position_ids = n + mask.cumsum(1) - mask.long()
+    attention_mask = torch.cat((mask.new_ones(mask.size(0), n), mask), 1).long()
+    out = policy(input_ids=queries[:, -width:].masked_fill(~mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=last)
+    return out, attention_mask, position_ids[:, -1:]
+
+
+def shared_prefix_is_exact(policy, queries, pad_token_id: int) -> bool:
+    """Whether `prefill` with the prefix these queries share run once gives the full prefill's next-token logits; a
+    cache that cannot repeat its rows (a linear-attention layer's) refuses it."""
+    try:
+        with torch.no_grad():
+            return torch.allclose(*(prefill(policy, queries, pad_token_id, share)[0].logits for share in (True, False)),
+                                  rtol=1e-4, atol=1e-4)
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+@torch.no_grad()
+def fast_generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
+                  synced=False, feed_last=False, share_prefix=False, static=None):
+    """`generate`, with `prefill`'s shared prefix, `feed_last`: the last tokens go through the model too, so that
+    every position's states pass `kept_while_sampling`'s hooks, and `static`: a `StaticSampler` steps instead of the
+    model with its dynamic KV cache."""
+    out, attention_mask, position_ids = prefill(policy, queries, pad_token_id, share_prefix)
+    step_model = static.start(policy, out.past_key_values, attention_mask, position_ids, response_length) if static \
+        else None
+    tokens, logprobs, logits = [], [], out.logits[:, -1]
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    for step in range(response_length):
+        logits = scale_logits(logits, temperature, pad_token_id)
+        uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+        token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+        tokens.append(token)
+        logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
+        if stop_token_id is not None:
+            finished |= token.squeeze(-1) == stop_token_id
+        done = finished.all()
+        if synced:
+            done = done.float()
+            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        last = step == response_length - 1 or bool(done)
+        if last and not feed_last:
+            break
+        if step_model is not None:
+            logits = step_model(token)
+        else:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+            position_ids = position_ids + 1
+            out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=out.past_key_values, use_cache=True)
+            logits = out.logits[:, -1]
+        if last:
+            break
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with copies of its first row appended up to `rows` rows (rows nobody reads: a static shape)."""
+    return torch.cat((tensor, tensor[:1].expand(rows - tensor.size(0), *tensor.shape[1:]))) if rows > len(tensor) \
+        else tensor
+
+
+class StaticSampler:
+    """Sampling's next-token forwards through transformers' `StaticCache`, compiled into CUDA graphs (torch.compile,
+    mode "reduce-overhead"). With a dynamic cache a small model's loop is bound by kernel launches (about 36 ms a
+    token at batch 64 for 135M parameters on an H100); a graph replays them all at once. Static shapes recompile, so
+    a chunk is padded to `rows` rows and its cache to the prefill's width rounded up to `bucket`, plus the response:
+    one compilation per (rows, width, dtype), each counted in `compilations` with its seconds."""
+
+    def __init__(self, rows: int, bucket: int = 64, compile: bool = True):
+        self.rows, self.bucket, self.compile = rows, bucket, compile
+        self.caches, self.forwards, self.compilations = {}, {}, []
+
+    def start(self, policy, prefilled, attention_mask, position_ids, response_length):
+        """A step function for one chunk, token (n, 1) -> the next token's logits (n, vocab), after copying the
+        prefill's dynamic cache `prefilled` into a static one."""
+        n, width = attention_mask.shape
+        rows, length = max(self.rows, n), -(-width // self.bucket) * self.bucket + response_length
+        key = (rows, length, prefilled.layers[0].keys.dtype)
+        new_shape = key not in self.caches
+        if new_shape:
+            self.caches[key] = StaticCache(config=unpeft(policy).config, max_cache_len=length)
+        cache = self.caches[key]
+        for layer, source in zip(cache.layers, prefilled.layers):
+            keys, values = pad_rows(source.keys, rows), pad_rows(source.values, rows)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys[:, :, :width].copy_(keys)
+            layer.values[:, :, :width].copy_(values)
+            layer.cumulative_length.fill_(width)  # the next token's slot; the stale ones after it are masked
+        mask = attention_mask.new_zeros(rows, length)
+        mask[:, :width] = pad_rows(attention_mask, rows)
+        positions, column = pad_rows(position_ids, rows), width
+        if id(policy) not in self.forwards:
+            self.forwards[id(policy)] = torch.compile(policy, mode="reduce-overhead", dynamic=False) if self.compile \
+                else policy
+
+        def step(token):
+            nonlocal positions, column, new_shape
+            mask[:, column] = 1
+            positions, column, timer = positions + 1, column + 1, time.perf_counter()
+            if self.compile:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: the graph may rerun
+            logits = self.forwards[id(policy)](input_ids=pad_rows(token, rows), attention_mask=mask,
+                                               position_ids=positions, past_key_values=cache, use_cache=True).logits
+            logits = logits[:n, -1].clone()  # a CUDA graph's output is overwritten by its next replay
+            if new_shape:
+                self.compilations.append((key, time.perf_counter() - timer))
+                new_shape = False
+                if self.compile:  # benchmarks/gpu_bench.py reads this line
+                    print(f"compiled the sampler for {rows} rows x {length} positions in "
+                          f"{self.compilations[-1][1]:.1f} s")
+            return logits
+        return step
+
+    def probe(self, policy, queries, pad_token_id, args: Args, stop_token_id, share_prefix: bool) -> tuple:
+        """(accepted, the banner's note): the probe's queries sampled through this sampler (compiling it) and through
+        the dynamic cache; accepted if its tokens' log-probs are within 1e-4 of a full forward's, or no further from
+        it than the dynamic cache's are (bf16 drifts in both)."""
+        errors = []
+        try:
+            for static in (self, None):
+                generator = torch.Generator(queries.device).manual_seed(0)
+                responses, logprobs = fast_generate(policy, queries, pad_token_id, args.response_length,
+                                                    args.temperature, stop_token_id, generator,
+                                                    share_prefix=share_prefix, static=static)
+                full = response_logprobs(policy, torch.cat((queries, responses), 1), pad_token_id, queries.size(1),
+                                         responses, args.temperature)[0]
+                errors.append((logprobs - full).abs().max().item())
+        except Exception as error:  # a model whose cache or forward does not compile: the dynamic cache samples
+            return False, f"off (its probe failed: {type(error).__name__}: {str(error)[:200]})"
+        seconds = sum(s for _, s in self.compilations)
+        accepted = errors[0] <= max(1e-4, errors[1] + 1e-4)
+        return accepted, (f"{'on' if accepted else 'off, refused'} (static KV cache in CUDA graphs: max |log-prob "
+                          f"- full forward's| {errors[0]:.1e}, the dynamic cache's {errors[1]:.1e}; compiled in "
+                          f"{seconds:.0f} s)")
 
 
 if __name__ == "__main__":

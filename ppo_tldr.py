@@ -175,7 +175,9 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
     """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
-    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order."""
+    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order.
+    Seeded by seed + pass alone: a second prompt source of the same size, drawn with the same seed, would follow the
+    same order, so give it its own (e.g. seed + 1_000_003)."""
     per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
     epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
@@ -288,6 +290,14 @@ def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule
     raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
 
 
+def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+    """Whitened over this process's real tokens, 0 at padding (N+ detail 27). One real token has no spread to scale
+    by: it is only centred, to 0 (masked_var refuses fewer than 2 values)."""
+    if int((~padding_mask).sum()) < 2:
+        return torch.zeros_like(advantages)
+    return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+
+
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
     """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
     lastgaelam = 0
@@ -363,9 +373,10 @@ def main(args: Args) -> None:
     for update in range(start_update, sizes.num_updates + 1):
         # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
-        lr = (1.0 - (update - 1.0) / sizes.num_updates) * args.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        anneal = 1.0 - (update - 1.0) / sizes.num_updates
+        for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
+            group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
+        lr = anneal * args.learning_rate
         indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
         queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
@@ -403,7 +414,7 @@ def main(args: Args) -> None:
 
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+            advantages = whiten_advantages(advantages, padding_mask)
 
         # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps, each of GA micro-batches
         timer = time.perf_counter()
@@ -917,6 +928,8 @@ def load_models(args: Args, setup: Setup):
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0, fused=True)
+    for group in optimizer.param_groups:  # where main's linear anneal starts each group (a second one keeps its own)
+        group["initial_lr"] = group["lr"]
     model, optimizer = accelerator.prepare(model, optimizer)
     if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):

@@ -116,8 +116,8 @@ def test_shared_value_head_reads_the_final_hidden_state_before_each_response_tok
         *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7,
                                                                                           ppo.FastPaths(True))
         torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
-        for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, ppo.FastPaths(True),
-                                                             with_entropy=True)):
+        for a, b in zip(with_logprobs, ppo.FastPaths(True).response_logprobs(policy, qr, PAD, 2, ids, 0.7,
+                                                                             with_entropy=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
         for row, tokens in enumerate(QR):
             hidden = policy.model(torch.tensor([tokens])).last_hidden_state[0]

@@ -547,6 +547,20 @@ def test_masked_whiten(shape, p_true, shift_mean, scale, offset):
         assert math.isclose(naive_var(o, m, unbiased=True), 1.0, rel_tol=1e-3)
 
 
+
+@pytest.mark.parametrize("n_real", [0, 1, 2, 7])
+def test_whiten_advantages(n_real):
+    """Whitened over the real tokens and 0 at padding (float64 loop); a single real token (one response of one token on
+    a process) is centred to 0 instead of crashing in masked_var."""
+    advantages = randn((2, 5), seed=30 + n_real, scale=2.0) + 1.0
+    padding_mask = torch.ones(2, 5, dtype=torch.bool)
+    padding_mask.view(-1)[:n_real] = False
+    out = ppo.whiten_advantages(advantages, padding_mask)
+    v, m = advantages.view(-1).tolist(), (~padding_mask).view(-1).tolist()
+    expected = naive_whiten(v, m, True) if n_real >= 2 else [0.0] * len(v)
+    expected = [e if keep else 0.0 for e, keep in zip(expected, m)]
+    assert_close(out, torch.tensor(expected, dtype=torch.float64).view(2, 5), tol=dict(rtol=1e-9, atol=1e-9))
+
 # ------------------------------------------------------------------------------------------------------------------
 # padding_masks / score_positions / kl_penalty / compute_rewards
 # ------------------------------------------------------------------------------------------------------------------

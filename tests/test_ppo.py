@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
 import ppo
-from conftest import (REWARD_FN, ROOT, TINY, build_models, make_tokenizer, run_ppo, without_wall_clock,
-                      write_config_dataset)
+from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, make_tokenizer, run_ppo, tiny_args,
+                      without_wall_clock, write_config_dataset)
 
 TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -283,7 +283,7 @@ def shift_first_block(policy, where):
 
 
 def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, monkeypatch):
-    """#29: `prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
+    """`prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
     its next-token logits and positions are the plain prefill's, and so are the tokens sampled after it. A row that is
     all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The start-up check
     accepts it, and refuses a model whose one-row forwards differ or whose cache cannot repeat its rows."""
@@ -299,8 +299,8 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, m
         assert tuple(shapes[0]) == ((1, n) if n else queries.shape)
         torch.testing.assert_close(shared[0].logits, full[0].logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(shared[2], full[2])
-        sampled = [ppo.generate(policy, queries, PAD, 6, 0.8, generator=torch.Generator().manual_seed(0),
-                                share_prefix=share) for share in (True, False)]
+        sampled = [ppo.fast_generate(policy, queries, PAD, 6, 0.8, generator=torch.Generator().manual_seed(0),
+                                     share_prefix=share) for share in (True, False)]
         assert torch.equal(sampled[0][0], sampled[1][0])
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=1e-5, atol=1e-5)
     queries = ppo.left_pad([[3, 4, 5, 6], [3, 4, 5, 8, 9]], PAD)
@@ -404,15 +404,16 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
     value = AutoModelForSequenceClassification.from_pretrained(paths["rm"])
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
     with torch.no_grad():
-        for model, forward in ((policy, ppo.policy_logits), (value, ppo.value_forward)):
+        for model, name in ((policy, "policy_logits"), (value, "value_forward")):
             assert ppo.split_forward_is_exact(model, qr, PAD, 1)
             fast = ppo.FastPaths(num_frozen={"policy": 1, "value": 1}).with_trunks({"policy": model, "value": model},
                                                                                    qr, PAD)
-            torch.testing.assert_close(forward(model, qr, PAD, 2, fast), forward(model, qr, PAD, 2), rtol=1e-5,
+            plain = getattr(ppo, name)
+            torch.testing.assert_close(getattr(fast, name)(model, qr, PAD, 2), plain(model, qr, PAD, 2), rtol=1e-5,
                                        atol=1e-6)
             rows = torch.tensor([2, 0])  # a micro-batch reads its rows of the cached trunk
-            torch.testing.assert_close(forward(model, qr[rows], PAD, 2, fast.rows(rows)),
-                                       forward(model, qr[rows], PAD, 2), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(getattr(fast.rows(rows), name)(model, qr[rows], PAD, 2),
+                                       plain(model, qr[rows], PAD, 2), rtol=1e-5, atol=1e-6)
         assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
 
 
@@ -430,7 +431,7 @@ def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
     with torch.no_grad():
         trunk = (ppo.frozen_trunk(model, qr, PAD, num_frozen), num_frozen)
-        torch.testing.assert_close(ppo.final_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
+        torch.testing.assert_close(ppo.trunk_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
                                    rtol=1e-5, atol=1e-6)
     assert len(model.config.layer_types) == 3  # restored
 
@@ -446,7 +447,7 @@ def test_split_forward_is_refused_where_it_is_not_exact():
 @pytest.mark.parametrize("share_prefix", [False, True])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_prefix):
-    """#29: the frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
+    """The frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
     forward over two chunks of different widths, one stopping early, equal a full forward's at every real position,
     also where each chunk's common prefix ran once (`prefill`); the values and log-probs read from them agree; the
     probe accepts them, and refuses a cache that drifts."""
@@ -454,7 +455,7 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_pr
     queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14], [3, 4, 16]], PAD)
     fast = ppo.FastPaths(num_frozen={"policy": 1}, from_sampling=("trunk", "final"), shared_prefix=share_prefix)
     with torch.no_grad(), ppo.kept_while_sampling(policy, fast) as pieces:
-        chunks = [ppo.generate(policy, queries[i:i + 2], PAD, n, 0.7, stop_token_id=stop, feed_last=True,
+        chunks = [ppo.fast_generate(policy, queries[i:i + 2], PAD, n, 0.7, stop_token_id=stop, feed_last=True,
                                generator=torch.Generator().manual_seed(i), share_prefix=share_prefix)[0]
                   for i, n, stop in ((0, 6, None), (2, 6, 7))]  # the second stops at its 7s (or runs 6 tokens)
     assert [p.size(0) for p in pieces["trunk"]].count(1) == (2 if share_prefix else 0)  # the [3, 4] run once
@@ -468,10 +469,10 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_pr
         torch.testing.assert_close(kept.final_hidden[real], ppo.final_hidden_states(policy, qr, PAD)[real],
                                    rtol=1e-5, atol=1e-5)
         head = torch.nn.Linear(32, 1)
-        torch.testing.assert_close(ppo.value_forward(policy, qr, PAD, 5, kept, head),
-                                   ppo.value_forward(policy, qr, PAD, 5, None, head), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kept.value_forward(policy, qr, PAD, 5, head),
+                                   ppo.value_forward(policy, qr, PAD, 5, head), rtol=1e-5, atol=1e-5)
         ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
-        torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, kept)[0],
+        torch.testing.assert_close(kept.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0],
                                    ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
     assert ppo.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == (
         "trunk", "final")
@@ -494,8 +495,8 @@ def test_fused_head_matches_the_models_own_head(tmp_path, arch):
     results = []
     for fused in (True, False):
         policy.zero_grad()
-        lp, ent = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, ppo.FastPaths(fused), with_entropy=True)
-        (lp.sum() - 0.3 * ent.sum()).backward()  # an entropy bonus trains on both paths (#28: it did on neither)
+        lp, ent = ppo.FastPaths(fused).response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)
+        (lp.sum() - 0.3 * ent.sum()).backward()  # an entropy bonus trains on both paths (it once did on neither)
         results.append([lp.detach(), ent.detach()] + [p.grad.clone() for p in policy.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -632,7 +633,7 @@ def test_accumulation_set_by_the_launcher_must_agree(assets, tmp_path, monkeypat
 
 
 def test_entropy_bonus_trains_the_entropy(assets, tmp_path):
-    """--ent-coef: the bonus carries its gradient through the fused head (#28: it silently did nothing), so the policy
+    """--ent-coef: the bonus carries its gradient through the fused head (it once silently did nothing), so the policy
     ends with more entropy than without it; loss/entropy_avg logs the mean entropy the coefficient multiplies."""
     runs = {coef: run_ppo(common(assets, "--reward-fn", REWARD_FN, "--total-episodes", "64", "--learning-rate", "1e-2",
                                  "--lam", "0.95", "--ent-coef", coef), tmp_path / coef)[1] for coef in ("0", "2")}
@@ -711,6 +712,77 @@ def test_default_run_shortened(tmp_path):
     assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
     assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"
-    # every fast path passes its start-up check on the default model (#29: a refused fused head went unseen)
+    # every fast path passes its start-up check on the default model (a refused fused head once went unseen)
     assert ("fast paths: fused LM head on; frozen trunks: policy 24 blocks; kept while sampling: trunk, final"
             in " ".join(proc.stdout.split()))
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, arch, share_prefix):
+    """The GPU sampler's logic, uncompiled on the CPU: transformers' StaticCache filled from the prefill, a chunk padded
+    to a fixed number of rows and its cache to a fixed width, gives the dynamic cache's tokens from the same generator
+    and log-probs within 1e-5, over chunks of different widths and rows, one stopping early; a cache reused by a
+    later chunk of the same shape holds nothing of the earlier one."""
+    policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
+    static = ppo.StaticSampler(rows=4, bucket=8, compile=False)
+    chunks = [([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], None),
+              ([[3, 4, 16], [8, 9, 10, 11, 12, 13, 14, 15, 16]], 7),  # a longer row: a wider cache
+              ([[3, 4, 5, 6, 7], [3, 4, 11], [3, 4, 12, 14]], None)]
+    for i, (rows, stop) in enumerate(chunks):
+        queries = ppo.left_pad(rows, PAD)
+        sampled = [ppo.fast_generate(policy, queries, PAD, 12, 0.7, stop, torch.Generator().manual_seed(i),
+                                     share_prefix=share_prefix, static=s) for s in (static, None)]
+        assert torch.equal(sampled[0][0], sampled[1][0])
+        torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5)
+        if stop is not None:  # stopped early, or ran out of length
+            assert sampled[0][0].size(1) == 12 or (sampled[0][0] == stop).any(1).all()
+    # the first and the third chunk share a shape (4 rows, a cache of 8 + 12): one cache, one "compilation"
+    assert sorted(key[:2] for key, _ in static.compilations) == [(4, 20), (4, 28)]
+    assert torch.equal(ppo.pad_rows(torch.tensor([[1], [2]]), 4), torch.tensor([[1], [2], [1], [1]]))
+
+
+def test_no_fast_paths_runs_the_plain_forwards_within_the_probes_tolerance(assets, tmp_path):
+    """The speed layer (fused head, a frozen trunk, states kept while sampling, on a value head) against
+    --no-fast-paths: the same run to the probes' tolerance, update by update, and the banner says which ran."""
+    args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "0", "--total-episodes", "16",
+                  "--num-trainable-layers", "1", "--shared-value-head")
+    fast, fast_rows = run_ppo(args, tmp_path / "fast")
+    plain, plain_rows = run_ppo(args + ["--no-fast-paths"], tmp_path / "plain")
+    assert "fused LM head on; frozen trunks: policy 1 blocks; kept while sampling: trunk, final" in " ".join(
+        fast.stdout.split())
+    assert "fast paths: off (--no-fast-paths)" in plain.stdout
+    assert_same_run(plain_rows, fast_rows, rel=1e-4)
+
+
+def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
+    """One response of one token per update: its advantage cannot be whitened (one value), so it is centred to 0
+    instead of stopping the run in masked_var."""
+    _, rows = run_ppo(tiny_args(assets, "--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "1",
+                                "--num-mini-batches", "1", "--total-episodes", "2", "--response-length", "1",
+                                "--local-rollout-forward-batch-size", "1", "--eval-samples", "0"), tmp_path / "run")
+    assert [r["update"] for r in rows] == [1, 2]
+    assert all(r["policy/clipfrac_avg"] == 0 for r in rows)
+
+
+def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
+    """What README's editing table tells a copier: delete the speed layer (the file's last section), its two flags,
+    and build the plain `Forwards` in `load_models`; the rest runs, and trains as --no-fast-paths does."""
+    source = (ROOT / "ppo.py").read_text()
+    start, end = source.index("# ---- The speed layer"), source.index('if __name__ == "__main__":')
+    flags = source.index("    fast_paths: bool = True"), source.index("    def __post_init__(self):")
+    lean = source[:flags[0]] + source[flags[1]:start] + source[end:]
+    line = "    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()\n"
+    assert lean.count(line) == 1 and "compile_sampler" in source[flags[0]:flags[1]]
+    lean = lean.replace(line, "    forwards = Forwards()\n")
+    assert "SpeedLayer" not in lean and "FastPaths(" not in lean
+    (ROOT / "cache").mkdir(exist_ok=True)
+    script = ROOT / "cache" / f"ppo_lean_{os.getpid()}.py"  # beside ppo.py's folders, as a copy would be
+    script.write_text(lean)
+    try:
+        args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "0", "--total-episodes", "16")
+        _, lean_rows = run_ppo(args, tmp_path / "lean", script=str(script.relative_to(ROOT)))
+    finally:
+        script.unlink()
+    _, plain_rows = run_ppo(args + ["--no-fast-paths"], tmp_path / "plain")
+    assert_same_run(lean_rows, plain_rows, rel=0)
