@@ -775,7 +775,7 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     line = "    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()\n"
     assert lean.count(line) == 1 and "compile_sampler" in source[flags[0]:flags[1]]
     lean = lean.replace(line, "    forwards = Forwards()\n")
-    assert "SpeedLayer" not in lean and "FastPaths(" not in lean
+    assert "SpeedLayer(" not in lean and "FastPaths(" not in lean
     (ROOT / "cache").mkdir(exist_ok=True)
     script = ROOT / "cache" / f"ppo_lean_{os.getpid()}.py"  # beside ppo.py's folders, as a copy would be
     script.write_text(lean)
