@@ -525,11 +525,11 @@ def main(args: Args) -> None:
             values = values.masked_fill(padding_mask_p1, 0)
             kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
-            if args.whiten_rewards:
-                rewards = whiten_rewards(rewards, padding_mask_p1)
+            # a shaping term added to `rewards` here is trained on and logged in objective/rlhf_reward
 
             # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
+                                              rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
             # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
@@ -650,7 +650,7 @@ class Rollout(NamedTuple):
     values: torch.Tensor
     kl: torch.Tensor  # the per-token KL penalty's estimate
     non_score_reward: torch.Tensor
-    rewards: torch.Tensor
+    rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
     advantages: torch.Tensor
     returns: torch.Tensor
     scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
@@ -666,7 +666,7 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         "objective/kl": r.kl.sum(1).mean(),
         "objective/entropy": (-r.logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
         "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
-        "objective/rlhf_reward": r.non_score_reward.sum(1).mean() + r.trained_scores.mean(),  # what PPO maximised
+        "objective/rlhf_reward": r.rewards.sum(1).mean(),  # what PPO maximised: every reward term, before whitening
         "objective/scores": r.scores.mean(),
         # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
         "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
