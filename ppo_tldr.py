@@ -371,8 +371,8 @@ def main(args: Args) -> None:
     start_update, start_time = setup.start_update, time.time()
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
-        # 1. Learning rate annealed linearly to 0, once per update (N+ detail 29); this update's prompts
         episode = update * sizes.batch_size
+        # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
             group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
@@ -383,7 +383,7 @@ def main(args: Args) -> None:
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # 2. Rollout: sample responses, keeping each sampled token's log-prob; truncate after eos (N+ detail 21)
+            # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after eos (N+ 21)
             responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
                                                    setup.stop_token_id)
             time_generation = time.perf_counter() - timer
@@ -392,17 +392,18 @@ def main(args: Args) -> None:
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 3. Scoring forwards: reference log-probs, values and the reward model's scores
+            # 2. Scoring forwards: reference log-probs and values
             ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
                                                         query_responses, response_ids, context_length, args,
                                                         pad_token_id)
+            # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
             scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
             time_scoring = time.perf_counter() - timer - time_generation
-
-            # 4. Rewards: the missing-eos rule (N+ 22), the per-token KL penalty, the score (padding_mask_p1: N+ 25)
             contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
+
+            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
@@ -416,7 +417,7 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
 
-        # 6. PPO (N+ detail 28): num_ppo_epochs x num_mini_batches optimizer steps, each of GA micro-batches
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
         model.train()
         step_stats = []  # by name, one dict per micro-batch
@@ -459,7 +460,7 @@ def main(args: Args) -> None:
                     del logits, vpred, loss
         time_training = time.perf_counter() - timer
 
-        # 7. Metrics, averaged over ranks (TRL's names); statistics count real tokens only
+        # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail 30)
         with torch.no_grad():
             metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
                        **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
@@ -472,15 +473,13 @@ def main(args: Args) -> None:
             "lr": lr,
             "episode": episode,
         })
-
-        # 8. Validation every eval_every updates and after the last one (N+ detail 30)
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
-
-        # 9. Logging, checkpoint; after the last update the models first (a full disk then still keeps the policy)
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
+
+        # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
         if update == sizes.num_updates:
             save_models(accelerator, model, setup.output_dir, console)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
