@@ -256,7 +256,6 @@ def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
-# differs from ppo.py: k1 and k3 only, the estimators --kl-estimator allows here
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
@@ -495,7 +494,6 @@ def main(args: Args) -> None:
 
 
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
-# differs from ppo.py: no reward components, score scaling or skipped minibatches
 def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
                      contain_eos_token, sequence_lengths, step_stats: list[dict]) -> dict:
     """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
@@ -533,7 +531,6 @@ def flag_intervals() -> dict[str, str]:
             if hasattr(hint, "__metadata__")}
 
 
-# differs from ppo.py: the TL;DR script's own flags
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
     for name, interval in flag_intervals().items():
@@ -585,7 +582,7 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
 # Set-up, the update's steps and validation, called from main
 @dataclass
 class Setup:
-    """What `set_up` resolved and checked before any model loads (differs from ppo.py: TL;DR's fields)."""
+    """What `set_up` resolved and checked before any model loads (TL;DR's fields)."""
     accelerator: Accelerator
     sizes: BatchSizes
     zero_stage: int
@@ -600,7 +597,6 @@ class Setup:
     eval_dataset: Dataset
 
 
-# differs from ppo.py: TL;DR's data, one tokenizer, no rewards to resolve
 def set_up(args: Args) -> Setup:
     """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
     check_args(args)
@@ -754,7 +750,6 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-# differs from ppo.py: no frozen trunk: every block of the TL;DR policy trains
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
@@ -762,7 +757,6 @@ def policy_logits(policy, query_responses, pad_token_id, context_length):
     return out.logits[:, :-1]
 
 
-# differs from ppo.py: no frozen trunk, no peft
 def final_hidden_states(model, query_responses, pad_token_id):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
     return model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
@@ -774,14 +768,12 @@ def score_bias(config) -> float:
     return float(bias) if isinstance(bias, (int, float)) and not isinstance(bias, bool) else 0.0
 
 
-# differs from ppo.py: no frozen trunk; minus the score bias it inherits from the reward model (N+ detail 18)
 def value_forward(value_model, query_responses, pad_token_id, context_length):
     """values[:, t] is read at the hidden state just before response token t."""
     hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
 
 
-# differs from ppo.py: minus the score bias (N+ detail 14: the reference summaries score 0 on average)
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
     """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
     hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
@@ -790,7 +782,6 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     return scores - score_bias(reward_model.config)
 
 
-# differs from ppo.py: (logits, values) of the whole policy and value model: no fused head, no value head, no trunk
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
     trained in TRL: trl#2463)."""
@@ -834,8 +825,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    # differs from ppo.py: no prefill (TL;DR posts share a few tokens) and nothing kept while sampling
-    width = response_length - len(tokens)  # differs from ppo.py: always this wide (SFD), the last score past eos
+    width = response_length - len(tokens)  # always this wide (SFD): the last score lies past eos
     return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
             F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
 
@@ -894,7 +884,6 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
-# differs from ppo.py: TL;DR's four models, no peft, value head or frozen trunk
 def load_models(args: Args, setup: Setup):
     """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
     accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
@@ -941,7 +930,6 @@ def load_models(args: Args, setup: Setup):
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
-# differs from ppo.py: nothing kept while sampling (no frozen trunk, no value head on the policy)
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
@@ -956,14 +944,12 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     return responses, logprobs
 
 
-# differs from ppo.py: one reward model, on the policy's token ids
 def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
                     chunk: int) -> torch.Tensor:
     return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
                                           pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
 
 
-# differs from ppo.py: whole models, no frozen trunks, no full KL
 def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
     """The reference's log-probs and the values of a rollout, in chunks."""
     chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
@@ -1001,7 +987,6 @@ def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, r
                    sum(all_reference_scores.values()) / len(all_reference_scores))
 
 
-# differs from ppo.py: TL;DR's validation: references, eval tables, SFD's metric names
 def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
              console: Console) -> dict:
     """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
@@ -1125,7 +1110,6 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
     console.print(table)
 
 
-# differs from ppo.py: the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)
 class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
@@ -1182,7 +1166,6 @@ def sub_state(state_dict: dict, name: str) -> dict:
     return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
 
 
-# differs from ppo.py: no adapters, no value head
 def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
     """Policy and value model for plain transformers (TRL saved the policy only); the value keeps the RM's `bias`."""
     accelerator.wait_for_everyone()
