@@ -1,4 +1,4 @@
-"""The pure parts of benchmarks/throughput.py: the matmul weight count and the FLOP count of one PPO update, each
+"""The pure parts of benchmarks/throughput.py and gpu_bench.py: the matmul weight count and the FLOP count of one PPO update, each
 against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the data and
 reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's own
 evaluations. No timing here."""
@@ -11,6 +11,7 @@ from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import arithmetic  # noqa: E402
+import gpu_bench  # noqa: E402
 import plot_runs  # noqa: E402
 import rescore  # noqa: E402
 import throughput  # noqa: E402
@@ -108,3 +109,18 @@ def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_it
     assert "(8 responses)" in proc.stdout  # and the flags after -- went to ppo.py, not into the policies
     assert itself[1] == initial[1] and itself[2] == "0.000 ± 0.000" and itself[3] == "-"
     assert trained[0] == f"| {run}" and trained[3] == f"{max(r['objective/kl'] for r in updates):.2f}"
+
+
+def test_gpu_bench_reads_the_steady_rate_and_compilations_from_a_run():
+    """Episodes/s over updates 2.. from ppo.py's cumulative `eps` (update k ends k * batch / eps_k seconds into the
+    loop), against the update end times it was made from; phases summed over the same updates; compilations parsed."""
+    ends, batch = [7.0, 9.5, 11.0, 13.25], 64  # update 1 is slow: it compiles
+    rows = [{"update": 0, "eval/scores": 0.0}] + [
+        {"update": k, "eps": k * batch / t, **{f"time/{p}": k + i for i, p in enumerate(
+            ("generation", "scoring", "gae", "training"))}} for k, t in enumerate(ends, 1)]
+    eps, phases = gpu_bench.steady_rate(rows, batch)
+    assert eps == pytest.approx(3 * batch / (13.25 - 7.0))
+    assert phases == {"generation": 2 + 3 + 4, "scoring": 3 + 4 + 5, "gae": 4 + 5 + 6, "training": 5 + 6 + 7}
+    log = "x\ncompiled the sampler for 64 rows x 117 positions in 41.5 s\ny compiled the sampler for 8 rows x 53 " \
+          "positions in 3.0 s"
+    assert gpu_bench.compilations(log) == [41.5, 3.0]
