@@ -1,7 +1,7 @@
 """The pure parts of benchmarks/throughput.py and gpu_bench.py: the matmul weight count and the FLOP count of one PPO
-update, each against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the data and
-reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's own
-evaluations. No timing here."""
+update, each against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the
+data and reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's
+own evaluations. No timing here."""
 import subprocess
 import sys
 
