@@ -194,8 +194,9 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     fast_paths: bool = True
     """the exact shortcuts of the speed layer (the file's last section), each where its start-up probe passes;
     --no-fast-paths: the plain forwards alone"""
-    compile_sampler: bool = True
-    """on CUDA, sample through a static KV cache compiled into CUDA graphs once its start-up probe passes"""
+    sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
+    """auto: on CUDA a static KV cache compiled into CUDA graphs (once its start-up probe passes), else `dynamic`,
+    transformers' growing cache; `static`: the static cache uncompiled; `compiled`: compiled on any device"""
 
     def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
         for name in ("reward_model_path", "reward_fn"):
@@ -2030,13 +2031,13 @@ class SpeedLayer(Forwards):
         # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
         value_shares_trunk = setup.value_model_path == setup.sft_model_path and len(num_frozen) == 2
         self.paths = self.update = FastPaths(fused_head, num_frozen, value_shares_trunk)
-        self.static, self.static_note = None, "off (CUDA only)"
+        self.static, self.static_note = None, "dynamic KV cache"
         self.keep_candidates = tuple(name for name, use in (("trunk", "policy" in num_frozen),
                                                             ("final", value_head is not None)) if use)
 
     def probe_sampling(self, args: Args, accelerator: Accelerator, setup: Setup, policy):
         """The probes of sampling, on the prepared models, under the run's autocast: the shared prefix, then the
-        compiled sampler (CUDA) or, without it, the states a KV cache keeps (bf16 drifts after about 10 tokens)."""
+        static-cache sampler or, without it, the states a KV cache keeps (bf16 drifts after about 10 tokens)."""
         probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
         queries = left_pad(probe_rows, pad_token_id).to(accelerator.device)
         shared = min(len(row) for row in probe_rows) - 1  # a prefix the probe is sure to share: the first row's start
@@ -2045,15 +2046,17 @@ class SpeedLayer(Forwards):
             shared_prefix = not self.zero3 and len(probe_rows) > 1 and shared > 0 and shared_prefix_is_exact(
                 policy, shared_queries.to(accelerator.device), pad_token_id)
             self.paths = replace(self.paths, shared_prefix=shared_prefix)
-            if args.compile_sampler and accelerator.device.type == "cuda" and not self.zero3:
-                static = StaticSampler(args.local_rollout_forward_batch_size, compile=True)
+            mode = args.sampler if args.sampler != "auto" else "compiled" if accelerator.device.type == "cuda" \
+                else "dynamic"
+            if mode != "dynamic" and self.zero3:
+                self.static_note = f"dynamic KV cache ({mode} refused under ZeRO-3: weights gathered per rollout)"
+            elif mode != "dynamic":
+                static = StaticSampler(args.local_rollout_forward_batch_size, compile=mode == "compiled")
                 accepted, self.static_note = static.probe(policy, queries, pad_token_id, args, setup.stop_token_id,
                                                           shared_prefix)
                 self.static = static if accepted else None
-            elif args.compile_sampler and self.zero3:
-                self.static_note = "off (refused under ZeRO-3: the policy is gathered from its shards per rollout)"
-            elif not args.compile_sampler:
-                self.static_note = "off (--no-compile-sampler)"
+            else:
+                self.static_note = "dynamic KV cache" + (" (--sampler auto off CUDA)" if args.sampler == "auto" else "")
             candidates = () if self.zero3 or self.static else self.keep_candidates
             kept = sampled_states_are_exact(policy, queries, pad_token_id, FastPaths(
                 num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates, args.temperature,
@@ -2068,7 +2071,7 @@ class SpeedLayer(Forwards):
         refused = f" (refused, a KV cache's differ here: {', '.join(p.refused)})" if p.refused else ""
         return (f"fast paths: fused LM head {'on' if p.fused_head else 'off'}; frozen trunks: {trunks}; kept "
                 f"while sampling: {', '.join(p.from_sampling) or 'nothing'}{refused}; shared prompt prefix "
-                f"{'on' if p.shared_prefix else 'off'}; compiled sampler {self.static_note}")
+                f"{'on' if p.shared_prefix else 'off'}; sampler: {self.static_note}")
 
     def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
         """Phase 1, keeping what sampling computes anyway for `score` (this update's frozen trunk, final states)."""
@@ -2576,12 +2579,12 @@ class StaticSampler:
                                          responses, args.temperature)[0]
                 errors.append((logprobs - full).abs().max().item())
         except Exception as error:  # a model whose cache or forward does not compile: the dynamic cache samples
-            return False, f"off (its probe failed: {type(error).__name__}: {str(error)[:200]})"
-        seconds = sum(s for _, s in self.compilations)
+            return False, f"dynamic KV cache (the static probe failed: {type(error).__name__}: {str(error)[:200]})"
+        kind = f"static KV cache compiled in {sum(s for _, s in self.compilations):.0f} s" if self.compile else \
+            "static KV cache, uncompiled"
         accepted = errors[0] <= max(1e-4, errors[1] + 1e-4)
-        return accepted, (f"{'on' if accepted else 'off, refused'} (static KV cache in CUDA graphs: max |log-prob "
-                          f"- full forward's| {errors[0]:.1e}, the dynamic cache's {errors[1]:.1e}; compiled in "
-                          f"{seconds:.0f} s)")
+        return accepted, (f"{kind if accepted else 'dynamic KV cache (refused: ' + kind + ')'}; probe: max |log-prob - "
+                          f"full forward's| {errors[0]:.1e}, the dynamic cache's {errors[1]:.1e}")
 
 
 if __name__ == "__main__":

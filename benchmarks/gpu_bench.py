@@ -9,7 +9,7 @@
 # plus a distinct [PAD]; 512 prompts of about 36 tokens. TRL's layout and settings: a separate value model initialised
 # from the reward model, every weight trained, 4 PPO epochs over 64 responses as one minibatch, temperature 0.7, KL
 # coefficient 0.05, lr 3e-6, lambda 0.95. ppo.py runs with its TRL-equivalence flags (as benchmarks/throughput.py).
-# For each precision the trainers alternate --repeats times; ppo.py with --no-compile-sampler runs once per precision
+# For each precision the trainers alternate --repeats times; ppo.py with --sampler dynamic runs once per precision
 # (the sampler before the compiled one). Reported per run: episodes/s over updates 2.. (update 1 compiles), seconds
 # by phase over those updates, the full run's episodes/s with start-up and compilation counted, the sampler's
 # compilations and their seconds, new tokens/s while sampling, and the peak GPU memory allocated (torch's counter).
@@ -169,13 +169,13 @@ def main(args: Args) -> None:
             plan.append(("ppo.py", precision, i, []))
             if args.trl_python:
                 plan.append(("TRL 1.12", precision, i, None))
-        plan.append(("ppo.py --no-compile-sampler", precision, 0, ["--no-compile-sampler"]))
+        plan.append(("ppo.py --sampler dynamic", precision, 0, ["--sampler", "dynamic"]))
     results, longest = [], 0.0
     for name, precision, i, extra in plan:
         if time.perf_counter() - start + 1.2 * longest > args.budget_s:
             print(f"skipped {name} {precision} #{i}: past --budget-s")
             continue
-        out = out_dir / f"{name.split()[0] if extra is None else name.replace(' --', '-')}-{precision}-{i}"
+        out = out_dir / f"{name.split()[0] if extra is None else '-'.join(['ppo', *extra])}-{precision}-{i}"
         timer = time.perf_counter()
         r = run_trl(args, paths, precision, out) if extra is None else run_ppo(args, paths, precision, out, extra)
         longest = max(longest, time.perf_counter() - timer)

@@ -773,7 +773,7 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     flags = source.index("    fast_paths: bool = True"), source.index("    def __post_init__(self):")
     lean = source[:flags[0]] + source[flags[1]:start] + source[end:]
     line = "    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()\n"
-    assert lean.count(line) == 1 and "compile_sampler" in source[flags[0]:flags[1]]
+    assert lean.count(line) == 1 and "    sampler: " in source[flags[0]:flags[1]]
     lean = lean.replace(line, "    forwards = Forwards()\n")
     assert "SpeedLayer(" not in lean and "FastPaths(" not in lean
     (ROOT / "cache").mkdir(exist_ok=True)
@@ -786,3 +786,17 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
         script.unlink()
     _, plain_rows = run_ppo(args + ["--no-fast-paths"], tmp_path / "plain")
     assert_same_run(lean_rows, plain_rows, rel=0)
+
+
+def test_static_cache_sampler_in_a_run_matches_the_dynamic_cache(assets, tmp_path):
+    """--sampler static (the GPU sampler uncompiled) in a whole run: LoRA, a value head on the policy, a frozen trunk,
+    the stop token and rollouts in chunks of 4; the banner names it, and the run is the dynamic cache's to the probes'
+    tolerance (the static sampler keeps no states: scoring recomputes them)."""
+    args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "4", "--total-episodes", "16", "--use-peft",
+                  "--shared-value-head", "--num-trainable-layers", "1", "--stop-token", "eos",
+                  "--local-rollout-forward-batch-size", "4")
+    static, static_rows = run_ppo(args + ["--sampler", "static"], tmp_path / "static")
+    _, dynamic_rows = run_ppo(args + ["--sampler", "dynamic"], tmp_path / "dynamic")
+    assert "sampler: static KV cache, uncompiled; probe: max |log-prob - full forward's|" in " ".join(
+        static.stdout.split())
+    assert_same_run(static_rows, dynamic_rows, rel=1e-4)
