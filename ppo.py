@@ -35,8 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from torch.utils.tensorboard import SummaryWriter
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          StaticCache)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"  # built from PyPI's vaderSentiment sdist on first use
@@ -652,7 +651,7 @@ class Rollout(NamedTuple):
     kl: torch.Tensor  # the per-token KL penalty's estimate
     non_score_reward: torch.Tensor
     rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
-    advantages: torch.Tensor
+    advantages: torch.Tensor  # whitened (mean 0, std 1 over this process's real tokens); raw: returns - values
     returns: torch.Tensor
     scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
     trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
@@ -690,6 +689,8 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
 def reward_means(components: dict, prefix: str, total: Callable) -> dict:
     """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
     (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    if not components:  # ppo_tldr.py's one reward model: objective/scores says it all
+        return {}
     sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
                               for c in components.values()]))
     means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
@@ -2006,9 +2007,10 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
 
 
 # ---- The speed layer: exact shortcuts behind one seam ----------------------------------------------------------------
-# Everything below is optional: delete it and the line of `load_models` that builds a `SpeedLayer`, and the script runs
-# the plain forwards above (as --no-fast-paths does). Each shortcut is switched on only where a start-up probe on the
-# run's device and precision finds it within 1e-4 of the plain computation; the banner names what runs.
+# Optional: delete this section, down to (not including) `if __name__ == "__main__":`, then its two flags in `Args` and
+# write `forwards = Forwards()` in `load_models`: the script runs the plain forwards above (as --no-fast-paths does).
+# Each shortcut is switched on only where a start-up probe on the run's device and precision finds it within 1e-4 of
+# the plain computation; the banner names what runs.
 class SpeedLayer(Forwards):
     """`main`'s forwards (`Forwards`) through the shortcuts its probes accept: the fused LM head (`HeadLogprobs`), the
     frozen bottom blocks run once per update (`frozen_trunk`), states kept while sampling (`kept_while_sampling`), the
@@ -2530,6 +2532,8 @@ class StaticSampler:
         key = (rows, length, prefilled.layers[0].keys.dtype)
         new_shape = key not in self.caches
         if new_shape:
+            from transformers import StaticCache
+
             self.caches[key] = StaticCache(config=unpeft(policy).config, max_cache_len=length)
         cache = self.caches[key]
         for layer, source in zip(cache.layers, prefilled.layers):

@@ -289,6 +289,12 @@ def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule
     raise ValueError(f"unknown --missing-eos-rule {rule!r}: choose replace, subtract or none")
 
 
+def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, and GAE
+    carried it into the advantages)."""
+    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+
+
 def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
     """Whitened over this process's real tokens, 0 at padding (N+ detail 27). One real token has no spread to scale
     by: it is only centred, to 0 (masked_var refuses fewer than 2 values)."""
@@ -409,12 +415,19 @@ def main(args: Args) -> None:
             values = values.masked_fill(padding_mask_p1, 0)
             kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
             rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
-            if args.whiten_rewards:  # N+ detail 26
-                rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+            # a shaping term added to `rewards` here is trained on and logged in objective/rlhf_reward
 
-            # 5. GAE; returns before advantage whitening; whitened advantages are 0 at padding (N+ detail 27)
-            advantages, returns = compute_gae(rewards, values, args.gamma, args.lam)
+            # 5. GAE (on whitened rewards with --whiten-rewards: N+ detail 26); returns before advantage whitening;
+            # whitened advantages are 0 at padding (N+ detail 27)
+            advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
+                                              rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
+            # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
+            rollout = Rollout(responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+                              padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                              values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
+                              advantages=advantages, returns=returns, scores=scores, trained_scores=scores,
+                              contain_eos_token=contain_eos_token, score_components={})
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
@@ -462,8 +475,7 @@ def main(args: Args) -> None:
         # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail 30)
         with torch.no_grad():
             metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       **gathered_metrics(accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                                          contain_eos_token, sequence_lengths, step_stats)}
+                       **gathered_metrics(accelerator, rollout, step_stats)}
         metrics.update({
             "policy/optimizer_steps": optimizer_steps,
             "time/generation": time_generation,  # seconds on rank 0: sampling
@@ -485,7 +497,8 @@ def main(args: Args) -> None:
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
-        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns
+        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns, \
+            rollout
     run_log.close()
 
     # 10. Every process leaves together (one exiting while gloo/NCCL threads run can abort)
@@ -494,27 +507,64 @@ def main(args: Args) -> None:
 
 
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
-def gathered_metrics(accelerator: Accelerator, kl, logprobs, padding_mask, non_score_reward, scores,
-                     contain_eos_token, sequence_lengths, step_stats: list[dict]) -> dict:
+class Rollout(NamedTuple):
+    """One update's rollout on this process as phases 1-5 left it: what a metric can read (per response or token)."""
+    responses: torch.Tensor
+    sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
+    padding_mask: torch.Tensor  # True past the last real token
+    padding_mask_p1: torch.Tensor  # True past the score's position (the values' and returns' mask)
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    kl: torch.Tensor  # the per-token KL penalty's estimate
+    non_score_reward: torch.Tensor
+    rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
+    advantages: torch.Tensor  # whitened (mean 0, std 1 over this process's real tokens); raw: returns - values
+    returns: torch.Tensor
+    scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
+    trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
+    contain_eos_token: torch.Tensor | None
+    score_components: dict  # each reward's own score (NaN: its None)
+
+
+def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict]) -> dict:
     """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
-    real, n = (~padding_mask).float(), accelerator.num_processes
+    real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
-        "objective/kl": kl.sum(1).mean(),
-        "objective/entropy": (-logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
-        "objective/non_score_reward": non_score_reward.sum(1).mean(),
-        "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean(),
-        "objective/scores": scores.mean(),  # after the missing-eos rule, as TRL
-        # responses ending in eos, over all processes: the mean of n x each process's count
-        "val/num_eos_tokens": n * contain_eos_token.sum().float(),
-        "val/response_length": (sequence_lengths + 1).float().mean(),
+        "objective/kl": r.kl.sum(1).mean(),
+        "objective/entropy": (-r.logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
+        "objective/rlhf_reward": r.rewards.sum(1).mean(),  # what PPO maximised: every reward term, before whitening
+        "objective/scores": r.scores.mean(),
+        # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
+        "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
+                                   torch.zeros((), device=r.scores.device)),
+        "val/response_length": (r.sequence_lengths + 1).float().mean(),
         # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
-        **{k: torch.stack([s[k] for s in step_stats]).mean() for k in step_stats[0] if k != "ratio"},
+        **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
+           if k != "ratio"},
     }
+    if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
+        local["objective/scaled_scores"] = r.trained_scores.mean()
     metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
-    ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats]))
-    # TRL's var() of a single statistic (1 process, 1 epoch, 1 minibatch, 1 micro-batch) was NaN
-    return {**metrics, "val/ratio": ratios.mean().item(),
-            "val/ratio_var": ratios.var().item() if ratios.numel() > 1 else 0.0}
+    ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
+    return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
+            else 0.0,
+            # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
+            **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
+
+
+def reward_means(components: dict, prefix: str, total: Callable) -> dict:
+    """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
+    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    if not components:  # ppo_tldr.py's one reward model: objective/scores says it all
+        return {}
+    sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
+                              for c in components.values()]))
+    means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
+             if none < size}
+    return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
+                        zip(components, sums) if none > 0}}
 
 
 # ---- Set-up: every check before any model loads ----------------------------------------------------------------------

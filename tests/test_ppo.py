@@ -678,7 +678,8 @@ def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
 def test_every_flag_is_exercised_by_a_test():
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
     missing = [f.name for f in dataclasses.fields(ppo.Args)
-               if f"--{f.name.replace('_', '-')}" not in sources and f"{f.name}=" not in sources]
+               if not any(f in sources for f in (f"--{f.name.replace('_', '-')}", f"--no-{f.name.replace('_', '-')}",
+                                                  f"{f.name}="))]
     assert not missing, f"flags no test passes: {missing}"
 
 
@@ -772,7 +773,8 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     start, end = source.index("# ---- The speed layer"), source.index('if __name__ == "__main__":')
     flags = source.index("    fast_paths: bool = True"), source.index("    def __post_init__(self):")
     lean = source[:flags[0]] + source[flags[1]:start] + source[end:]
-    line = "    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()\n"
+    line = ("    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else "
+            "Forwards()\n")
     assert lean.count(line) == 1 and "    sampler: " in source[flags[0]:flags[1]]
     lean = lean.replace(line, "    forwards = Forwards()\n")
     assert "SpeedLayer(" not in lean and "FastPaths(" not in lean

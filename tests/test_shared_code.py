@@ -15,7 +15,6 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "check_args": "the TL;DR script's own flags",
     "evaluate": "TL;DR's validation: references, eval tables, SFD's metric names",
     "final_hidden_states": "no peft",
-    "gathered_metrics": "no reward components, score scaling or skipped minibatches",
     "generate": "always response_length wide (SFD: the last score past eos)",
     "kl_penalty": "k1 and k3 only, the estimators --kl-estimator allows there",
     "load_models": "TL;DR's four models, no peft, value head or speed layer",
