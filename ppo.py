@@ -876,7 +876,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
-    resume_changes = claim_output_dir(accelerator, args, output_dir, checkpoint)
+    claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     remote = dict(trust_remote_code=args.trust_remote_code)
     # one-time work, by the run's first process, then each machine's (a no-op on a shared disk, which it finds done)
     with accelerator.main_process_first(), accelerator.local_main_process_first():
@@ -999,9 +999,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
                       tokenizer, chat, args.dataset_prompt_column, args.local_rollout_forward_batch_size)
+    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=True)
     return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
-                              eos_check_id, train_dataset, eval_rows, rewards, resume_notes, resume_changes)
+                              eos_check_id, train_dataset, eval_rows, rewards, resume_notes, changes)
 
 
 # ---- Model forwards -------------------------------------------------------------------------------------------------
@@ -2245,8 +2246,9 @@ def disk_space_named(folder: Path):
         yield
     except Exception as error:
         usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
-        chain = [error, error.__cause__, error.__context__]
-        if any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or usage.free < min(2**24, usage.total // 20):
+        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
+        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
+                usage.free < min(2**24, usage.total // 20)):
             raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
                           f"there ({type(error).__name__}: {error}); free space and resume") from error
         raise
@@ -2285,22 +2287,27 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def lock_output_dir(output_dir: Path) -> None:
-    """Take output_dir/.lock (host and pid), released at exit, or refuse while its holder runs; a holder gone from
-    this host (killed) left it stale, and it is taken over. Another host's lock cannot be checked: it is named."""
+def lock_output_dir(output_dir: Path, take: bool) -> None:
+    """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
+    holder gone from this host (killed) left it stale: taken over. Another host's cannot be checked: it is named."""
     lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
-    output_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
+        if lock.exists():
+            host, _, pid = lock.read_text().partition(" ")
+            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or
+                                                                        not process_alive(int(pid)))):
+                raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
+                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock}")
+            if not take:
+                return
+            lock.unlink(missing_ok=True)  # stale, or this process's own
+        if not take:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            host, _, pid = lock.read_text().partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or
-                                                                   not process_alive(int(pid))):
-                lock.unlink(missing_ok=True)
-                continue
-            raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock {lock}): "
-                             f"wait for it or give another --output-dir; if that process is gone, delete {lock}")
+        except FileExistsError:  # another run took it meanwhile: named on the next pass
+            continue
         with os.fdopen(fd, "w") as f:
             f.write(me)
         atexit.register(lambda: lock.exists() and lock.read_text() == me and lock.unlink())
@@ -2327,16 +2334,17 @@ def resume_changes(args, run_dir: Path) -> dict:
     if refused:
         raise ValueError(f"--resume: flags differ from the run's {path} (then, now): {refused}; they change the run, "
                          "so resume with the original flags, or name them in --resume-with-changes to go on with them")
-    return changed
+    return {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
 
 
-def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None) -> dict:
-    """A run owns its folder: the lock, then a new run into another run's folder refused (--overwrite deletes that
-    run's logs and checkpoints) and a resume's flags compared (`resume_changes`), by the main process for all."""
+def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
+    """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
+    a resume's flags compared (`resume_changes`), by the main process for all; `take`: the lock and the deletions
+    too, once every check of the set-up passed (a refused run writes nothing)."""
     result = None
     if accelerator.is_main_process:
         try:
-            lock_output_dir(output_dir)
+            lock_output_dir(output_dir, take)
             found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
                 p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
             if found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==
@@ -2344,7 +2352,7 @@ def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoin
                 if not args.overwrite:
                     raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue "
                                      "it with --resume auto, or give a new --output-dir (--overwrite deletes it)")
-                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")]:
+                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] * take:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             for log in ("metrics.jsonl", "samples.jsonl"):
                 if args.resume and (output_dir / log).exists():

@@ -638,7 +638,7 @@ def set_up(args: Args) -> Setup:
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
-    resume_changes = claim_output_dir(accelerator, args, output_dir, checkpoint)
+    claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -677,8 +677,9 @@ def set_up(args: Args) -> Setup:
                              "learning rate would not continue")
         start_update = saved["update"] + 1
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
+    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=True)
     return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
-                 stop_token_id, train_dataset, eval_dataset, resume_notes, resume_changes)
+                 stop_token_id, train_dataset, eval_dataset, resume_notes, changes)
 
 
 # ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
@@ -1067,8 +1068,9 @@ def disk_space_named(folder: Path):
         yield
     except Exception as error:
         usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
-        chain = [error, error.__cause__, error.__context__]
-        if any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or usage.free < min(2**24, usage.total // 20):
+        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
+        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
+                usage.free < min(2**24, usage.total // 20)):
             raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
                           f"there ({type(error).__name__}: {error}); free space and resume") from error
         raise
@@ -1107,22 +1109,27 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def lock_output_dir(output_dir: Path) -> None:
-    """Take output_dir/.lock (host and pid), released at exit, or refuse while its holder runs; a holder gone from
-    this host (killed) left it stale, and it is taken over. Another host's lock cannot be checked: it is named."""
+def lock_output_dir(output_dir: Path, take: bool) -> None:
+    """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
+    holder gone from this host (killed) left it stale: taken over. Another host's cannot be checked: it is named."""
     lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
-    output_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
+        if lock.exists():
+            host, _, pid = lock.read_text().partition(" ")
+            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or
+                                                                        not process_alive(int(pid)))):
+                raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
+                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock}")
+            if not take:
+                return
+            lock.unlink(missing_ok=True)  # stale, or this process's own
+        if not take:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            host, _, pid = lock.read_text().partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or
-                                                                   not process_alive(int(pid))):
-                lock.unlink(missing_ok=True)
-                continue
-            raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock {lock}): "
-                             f"wait for it or give another --output-dir; if that process is gone, delete {lock}")
+        except FileExistsError:  # another run took it meanwhile: named on the next pass
+            continue
         with os.fdopen(fd, "w") as f:
             f.write(me)
         atexit.register(lambda: lock.exists() and lock.read_text() == me and lock.unlink())
@@ -1149,16 +1156,17 @@ def resume_changes(args, run_dir: Path) -> dict:
     if refused:
         raise ValueError(f"--resume: flags differ from the run's {path} (then, now): {refused}; they change the run, "
                          "so resume with the original flags, or name them in --resume-with-changes to go on with them")
-    return changed
+    return {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
 
 
-def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None) -> dict:
-    """A run owns its folder: the lock, then a new run into another run's folder refused (--overwrite deletes that
-    run's logs and checkpoints) and a resume's flags compared (`resume_changes`), by the main process for all."""
+def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
+    """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
+    a resume's flags compared (`resume_changes`), by the main process for all; `take`: the lock and the deletions
+    too, once every check of the set-up passed (a refused run writes nothing)."""
     result = None
     if accelerator.is_main_process:
         try:
-            lock_output_dir(output_dir)
+            lock_output_dir(output_dir, take)
             found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
                 p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
             if found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==
@@ -1166,7 +1174,7 @@ def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoin
                 if not args.overwrite:
                     raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue "
                                      "it with --resume auto, or give a new --output-dir (--overwrite deletes it)")
-                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")]:
+                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] * take:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             for log in ("metrics.jsonl", "samples.jsonl"):
                 if args.resume and (output_dir / log).exists():
