@@ -876,7 +876,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
-    claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
+    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     remote = dict(trust_remote_code=args.trust_remote_code)
     # one-time work, by the run's first process, then each machine's (a no-op on a shared disk, which it finds done)
     with accelerator.main_process_first(), accelerator.local_main_process_first():
@@ -999,7 +999,6 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
                       tokenizer, chat, args.dataset_prompt_column, args.local_rollout_forward_batch_size)
-    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=True)
     return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
                               sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
                               eos_check_id, train_dataset, eval_rows, rewards, resume_notes, changes)
@@ -1781,8 +1780,8 @@ def check_json_file(path: Path, flag: str) -> None:
     except UnicodeDecodeError as error:
         raise ValueError(f"{flag} {path}: line {data[:error.start].count(10) + 1} is not UTF-8 (byte "
                          f"{data[error.start]:#04x}): save the file as UTF-8") from None
-    try:  # one JSON document
-        json.loads(text, object_pairs_hook=unique_keys)
+    try:  # one JSON document (an empty file: refused below, as having no rows)
+        json.loads(text, object_pairs_hook=unique_keys) if text.strip() else None
         return
     except json.JSONDecodeError as error:
         if error.msg != "Extra data":
@@ -2339,8 +2338,8 @@ def resume_changes(args, run_dir: Path) -> dict:
 
 def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
     """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
-    a resume's flags compared (`resume_changes`), by the main process for all; `take`: the lock and the deletions
-    too, once every check of the set-up passed (a refused run writes nothing)."""
+    a resume's flags compared (`resume_changes`), by the main process for all; `take` (`RunLog`, once the models
+    loaded: a refused run writes nothing): the lock and the deletions too."""
     result = None
     if accelerator.is_main_process:
         try:
@@ -2471,6 +2470,7 @@ class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
     def __init__(self, args: Args, accelerator: Accelerator, setup: Setup, start_update: int, console: Console):
+        claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before anything is written
         self.main_process, self.track = accelerator.is_main_process, args.track
         self.num_updates = setup.sizes.num_updates
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),

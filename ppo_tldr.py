@@ -638,7 +638,7 @@ def set_up(args: Args) -> Setup:
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
-    claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
+    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -677,7 +677,6 @@ def set_up(args: Args) -> Setup:
                              "learning rate would not continue")
         start_update = saved["update"] + 1
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=True)
     return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
                  stop_token_id, train_dataset, eval_dataset, resume_notes, changes)
 
@@ -1161,8 +1160,8 @@ def resume_changes(args, run_dir: Path) -> dict:
 
 def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
     """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
-    a resume's flags compared (`resume_changes`), by the main process for all; `take`: the lock and the deletions
-    too, once every check of the set-up passed (a refused run writes nothing)."""
+    a resume's flags compared (`resume_changes`), by the main process for all; `take` (`RunLog`, once the models
+    loaded: a refused run writes nothing): the lock and the deletions too."""
     result = None
     if accelerator.is_main_process:
         try:
@@ -1323,6 +1322,7 @@ class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
     def __init__(self, args: Args, setup: Setup, console: Console):
+        claim_output_dir(setup.accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before any write
         self.main_process, self.track = setup.accelerator.is_main_process, args.track
         self.num_updates = setup.sizes.num_updates
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),

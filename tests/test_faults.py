@@ -17,9 +17,14 @@ from conftest import ROOT, make_tokenizer, run_ppo, tiny_args, without_wall_cloc
 from test_checkpoints import flat_weights
 
 
-def set_up(assets, out, *extra):
-    """ppo.py's set-up alone (every check, no model loaded) on the tiny assets, into `out`."""
-    return ppo.set_up(tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra]))[1]
+def set_up(assets, out, *extra, take=False):
+    """ppo.py's set-up alone (every check, no model loaded) on the tiny assets, into `out`; `take`: then what
+    `RunLog` does first, once the models loaded: take the folder (the lock, --overwrite's deletions)."""
+    args = tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra])
+    accelerator, setup = ppo.set_up(args)
+    if take:
+        ppo.claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)
+    return setup
 
 
 def finished_run(out):
@@ -37,7 +42,7 @@ def test_a_new_run_into_another_runs_folder_is_refused_and_nothing_emptied(asset
     assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n{"update": 2}\n' and not (out / ".lock").exists()
     with pytest.raises(ValueError, match="holds another run"):  # ppo_tldr.py too, before its tokenizer loads
         ppo_tldr.set_up(ppo_tldr.Args(output_dir=str(out)))
-    set_up(assets, out, "--overwrite")  # on purpose: the other run's logs and checkpoints are deleted
+    set_up(assets, out, "--overwrite", take=True)  # on purpose: the other run's logs and checkpoints are deleted
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
 
@@ -53,7 +58,7 @@ def test_the_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(assets, tmp
     gone = subprocess.Popen(["true"])
     gone.wait()
     (out / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")  # a killed run's
-    set_up(assets, out)
+    set_up(assets, out, take=True)
     assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
 
 
