@@ -21,6 +21,7 @@ import socket
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple, get_type_hints
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from peft import LoraConfig, PeftModel, get_peft_model
 from rich.console import Console
@@ -46,7 +47,7 @@ VALUE_HEAD_FILE = "value_head.safetensors"  # --shared-value-head: the head's we
 CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 # flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
 RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every",
-                     "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes",
+                     "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
                      "trust_remote_code", "ds3_gather_for_generation", "gradient_checkpointing", "merge_adapter"}
 
 
@@ -196,6 +197,8 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if none, start)"""
     resume_with_changes: tuple[str, ...] = ()
     """flags a resume may change though they change the run, e.g. learning-rate (others differing: refused)"""
+    peer_timeout: Annotated[float, "(0, inf)"] = 30.0
+    """minutes a process waits for the others in a collective (a checkpoint save, a peer that died) before it stops"""
     overwrite: bool = False
     """a new run into a folder with another run's logs or checkpoints deletes them (off: refused)"""
     trust_remote_code: bool = False
@@ -846,7 +849,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     names = reward_names(args.reward_model_path, fn_specs)
     # No DataLoader is prepared (see `rollout_indices`): with one, accelerate would also step after every micro-batch
     # of each update that used an epoch's last batch (its sync_with_dataloader default), a latent TRL bug
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # a process whose peer died stops after --peer-timeout minutes in a collective: one bound on NCCL and gloo
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, kwargs_handlers=[
+        InitProcessGroupKwargs(timeout=timedelta(minutes=args.peer_timeout))])
     check_same_launch(accelerator, args)
     # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
