@@ -773,7 +773,6 @@ def check_sft_adapters(args: Args, sft_adapters: dict[str, Path]) -> None:
                          f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
 
 
-
 def check_weight_files(flag: str, path: str | None) -> None:
     """Refuse a local model's unreadable or truncated .safetensors file by path (safetensors names none)."""
     from safetensors import safe_open
@@ -1770,7 +1769,6 @@ def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
     return load_dataset(name, config, split=split)
 
 
-
 def check_json_file(path: Path, flag: str) -> None:
     """Name the line of a .json/.jsonl file that is not UTF-8, not JSON or repeats a key (datasets names none)."""
     def unique_keys(pairs):
@@ -1805,10 +1803,11 @@ def check_json_file(path: Path, flag: str) -> None:
 def check_prompt_rows(prompts: list, source: str) -> None:
     """Refuse, by row, a prompt that is neither text nor a list of messages, or whose kind differs from row 0's."""
     kinds = {str: "text", list: "a list of chat messages"}
+    first = kinds.get(type(prompts[0]))
     for row, prompt in enumerate(prompts):
-        if kinds.get(type(prompt)) is None or kinds.get(type(prompt)) != kinds.get(type(prompts[0])):
+        if kinds.get(type(prompt)) is None or kinds.get(type(prompt)) != first:
             raise ValueError(f"{source}: row {row}'s prompt is {prompt!r:.60} ({type(prompt).__name__}), but a prompt "
-                             f"must be text or a list of chat messages, as row 0's ({kinds.get(type(prompts[0]))})")
+                             f"must be text or a list of chat messages, as row 0's ({first})")
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
@@ -2421,8 +2420,9 @@ def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, sa
     """accelerate's save_state written aside (a name unique to this run), its checksums added, renamed into place,
     then `latest` moved: a kill never leaves a half checkpoint. `state` records the batch arithmetic, so a changed
     resume is refused. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
     final = checkpoints / f"update-{state['update']:06d}"
-    tmp = checkpoints / f".tmp-{final.name}-{broadcast_object_list([temporary_name(final).name])[0]}"
+    tmp = checkpoints / f".tmp-{final.name}-{owner}"
     with disk_space_named(checkpoints):
         if accelerator.is_main_process:
             for left in checkpoints.glob(".tmp-update-*"):  # by a run killed while saving (the lock keeps others out)

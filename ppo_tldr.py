@@ -1243,8 +1243,9 @@ def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, sa
     """accelerate's save_state written aside (a name unique to this run), its checksums added, renamed into place,
     then `latest` moved: a kill never leaves a half checkpoint. `state` records the batch arithmetic, so a changed
     resume is refused. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
     final = checkpoints / f"update-{state['update']:06d}"
-    tmp = checkpoints / f".tmp-{final.name}-{broadcast_object_list([temporary_name(final).name])[0]}"
+    tmp = checkpoints / f".tmp-{final.name}-{owner}"
     with disk_space_named(checkpoints):
         if accelerator.is_main_process:
             for left in checkpoints.glob(".tmp-update-*"):  # by a run killed while saving (the lock keeps others out)
