@@ -2578,27 +2578,28 @@ def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: S
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if not accelerator.is_main_process:
         return
-    # the tokenizer as given: the [PAD] added in `set_up` is a training-time device, outside the model's vocabulary
-    tokenizer = AutoTokenizer.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code)
-    tokenizer.save_pretrained(output_dir)
-    unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
-    if args.merge_adapter:
-        # merged onto a fresh copy of the base: under ZeRO-3 the live policy holds only this process's shards
-        with outside_zero_init(accelerator.state.deepspeed_plugin):
-            base = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code,
-                                                        dtype=args.dtype)
-        model_adapter_name = args.model_adapter_name or "default"
-        adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
-        PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
-        tokenizer.save_pretrained(output_dir / "merged")
-    value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
-    if args.shared_value_head:
-        from safetensors.torch import save_file
+    with disk_space_named(output_dir):
+        # the tokenizer as given: the [PAD] added in `set_up` is a training-time device, outside the model's vocabulary
+        tokenizer = AutoTokenizer.from_pretrained(setup.sft_model_path, trust_remote_code=args.trust_remote_code)
+        tokenizer.save_pretrained(output_dir)
+        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
+        if args.merge_adapter:
+            # merged onto a fresh copy of the base: under ZeRO-3 the live policy holds only this process's shards
+            with outside_zero_init(accelerator.state.deepspeed_plugin):
+                base = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, dtype=args.dtype,
+                                                            trust_remote_code=args.trust_remote_code)
+            model_adapter_name = args.model_adapter_name or "default"
+            adapter_dir = output_dir if model_adapter_name == "default" else output_dir / model_adapter_name
+            PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(output_dir / "merged")
+            tokenizer.save_pretrained(output_dir / "merged")
+        value_path = output_dir / (VALUE_HEAD_FILE if args.shared_value_head else "value_model")
+        if args.shared_value_head:
+            from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in sub_state(state_dict, "value_head").items()}, value_path)
-    else:
-        unwrapped.value_model.save_pretrained(value_path, state_dict=sub_state(state_dict, "value_model"))
-    policy_saved = "the policy adapter" if args.use_peft else "the policy"
+            save_file({k: v.contiguous() for k, v in sub_state(state_dict, "value_head").items()}, value_path)
+        else:
+            unwrapped.value_model.save_pretrained(value_path, state_dict=sub_state(state_dict, "value_model"))
+        policy_saved = "the policy adapter" if args.use_peft else "the policy"
     console.print(f"saved {policy_saved} to {output_dir} and the value to {value_path}")
 
 

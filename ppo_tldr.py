@@ -737,10 +737,14 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        if kind == "json":
+            check_json_file(path, flag)
         try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
             ds = load_dataset(kind, data_files=str(path), split="train")
         except (StopIteration, ValueError) as error:
             raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
+        except Exception as error:  # datasets' DatasetGenerationError keeps the cause in a chained exception
+            raise ValueError(f"{flag} {name}: {error.__cause__ or error}") from error
     elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):
@@ -757,6 +761,37 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
         raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
                          f"{list(TLDR_COLUMNS)}")
     return ds
+
+
+def check_json_file(path: Path, flag: str) -> None:
+    """Name the line of a .json/.jsonl file that is not UTF-8, not JSON or repeats a key (datasets names none)."""
+    def unique_keys(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+        return dict(pairs)
+
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} {path}: line {data[:error.start].count(10) + 1} is not UTF-8 (byte "
+                         f"{data[error.start]:#04x}): save the file as UTF-8") from None
+    try:  # one JSON document (an empty file: refused below, as having no rows)
+        json.loads(text, object_pairs_hook=unique_keys) if text.strip() else None
+        return
+    except json.JSONDecodeError as error:
+        if error.msg != "Extra data":
+            raise ValueError(f"{flag} {path}: line {error.lineno} is not valid JSON ({error.msg})") from None
+    except ValueError as error:
+        raise ValueError(f"{flag} {path}: {error}") from None
+    for number, line in enumerate(text.splitlines(), 1):  # JSON Lines
+        try:
+            if line.strip():
+                json.loads(line, object_pairs_hook=unique_keys)
+        except ValueError as error:
+            raise ValueError(f"{flag} {path}: line {number} is not valid JSON "
+                             f"({getattr(error, 'msg', error)})") from None
 
 
 # ---- Model forwards: pad ids become 0, masked out, so a [PAD] needs no embedding resize (N+ detail 6) --------------
@@ -1390,9 +1425,10 @@ def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, co
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
-        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
-        unwrapped.value_model.save_pretrained(output_dir / "value_model",
-                                              state_dict=sub_state(state_dict, "value_model"))
+        with disk_space_named(output_dir):
+            unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
+            unwrapped.value_model.save_pretrained(output_dir / "value_model",
+                                                  state_dict=sub_state(state_dict, "value_model"))
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
 

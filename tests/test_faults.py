@@ -235,3 +235,9 @@ def test_bad_weights_and_flags_are_named_at_start_up(assets, tmp_path):
     (out / "metrics.jsonl").write_text('{"update": 1}\n{"upd\n{"update": 2}\n')  # a bad line that is not the last
     with pytest.raises(ValueError, match="metrics.jsonl line 2 is not JSON"):
         set_up(assets, out, "--resume", "auto")
+
+
+def test_ppo_tldr_names_a_bad_json_line_too(tmp_path):
+    path, message = bad_inputs(tmp_path)["invalid JSON"]
+    with pytest.raises(ValueError, match=f"--eval-dataset-name {path}: {message}"):
+        ppo_tldr.load_tldr_split(str(path), None, "train", "--eval-dataset-name")
