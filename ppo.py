@@ -2290,17 +2290,20 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def lock_output_dir(output_dir: Path, take: bool) -> None:
+def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
     """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
-    holder gone from this host (killed) left it stale: taken over. Another host's cannot be checked: it is named."""
+    holder gone from this host (killed) left it stale: taken over; another host's, once neither the lock nor
+    metrics.jsonl (written each update) changed for `stale_after` seconds (a Slurm requeue lands on another node)."""
     lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
     for _ in range(3):
         if lock.exists():
             host, _, pid = lock.read_text().partition(" ")
-            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or
-                                                                        not process_alive(int(pid)))):
+            last = max(p.stat().st_mtime for p in (lock, output_dir / "metrics.jsonl") if p.exists())
+            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not process_alive(
+                    int(pid))) or host != socket.gethostname() and time.time() - last > stale_after):
                 raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
-                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock}")
+                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock} "
+                                 "(another host's is stale after --peer-timeout minutes without an update logged)")
             if not take:
                 return
             lock.unlink(missing_ok=True)  # stale, or this process's own
@@ -2347,7 +2350,7 @@ def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoin
     result = None
     if accelerator.is_main_process:
         try:
-            lock_output_dir(output_dir, take)
+            lock_output_dir(output_dir, take, stale_after=args.peer_timeout * 60)
             found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
                 p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
             if found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==

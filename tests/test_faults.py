@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -55,6 +56,10 @@ def test_the_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(assets, tmp
         host, pid = holder.split()
         with pytest.raises(ValueError, match=f"in use by the run of process {pid} on host {host}"):
             set_up(assets, out)
+    stale = time.time() - 31 * 60  # another host's lock, untouched longer than --peer-timeout (30 min): taken over
+    os.utime(out / ".lock", (stale, stale))
+    set_up(assets, out, take=True)
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
     gone = subprocess.Popen(["true"])
     gone.wait()
     (out / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")  # a killed run's
