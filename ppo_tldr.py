@@ -1216,7 +1216,8 @@ def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoin
                 if not args.overwrite:
                     raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue "
                                      "it with --resume auto, or give a new --output-dir (--overwrite deletes it)")
-                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] * take:
+                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] if (
+                        take) else []:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             for log in ("metrics.jsonl", "samples.jsonl"):
                 if args.resume and (output_dir / log).exists():
@@ -1245,6 +1246,7 @@ def resume_lines(setup: Setup) -> list[str]:
     """The banner's lines on a resume: checkpoints passed over, and each flag changed since the run began."""
     return setup.resume_notes + [f"resumed with --{name.replace('_', '-')} changed from {then} to {now}"
                                  for name, (then, now) in setup.resume_changes.items()]
+
 
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
@@ -1323,11 +1325,11 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, 
     if (checkpoints / "latest").is_file():
         named = checkpoints / (checkpoints / "latest").read_text().strip()
         candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
-    for checkpoint in candidates:
-        if problem := checkpoint_problem(checkpoint):
-            notes.append(f"checkpoint {checkpoint} is damaged or incomplete: {problem}")
+    for candidate in candidates:
+        if problem := checkpoint_problem(candidate):
+            notes.append(f"checkpoint {candidate} is damaged or incomplete: {problem}")
         else:
-            return checkpoint, notes + [f"falling back to {checkpoint}, the newest whole checkpoint"] * bool(notes)
+            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * bool(notes)
     if notes:
         raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
     return None, []
