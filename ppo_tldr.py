@@ -760,6 +760,10 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     if missing:
         raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
                          f"{list(TLDR_COLUMNS)}")
+    for column in TLDR_COLUMNS:  # a null or a number would fail deep in the tokenizer, naming nothing
+        row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
+        if row is not None:
+            raise ValueError(f"{flag} {name}: row {row}'s {column} is {ds[row][column]!r:.60}, not text")
     return ds
 
 

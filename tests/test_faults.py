@@ -246,3 +246,11 @@ def test_ppo_tldr_names_a_bad_json_line_too(tmp_path):
     path, message = bad_inputs(tmp_path)["invalid JSON"]
     with pytest.raises(ValueError, match=f"--eval-dataset-name {path}: {message}"):
         ppo_tldr.load_tldr_split(str(path), None, "train", "--eval-dataset-name")
+
+
+def test_ppo_tldr_names_a_row_that_is_not_text(tmp_path):
+    rows = [{"subreddit": "a", "title": "t", "post": "p", "summary": "s"} for _ in range(4)]
+    rows[2]["post"] = None
+    path = jsonl(tmp_path / "posts.jsonl", rows)
+    with pytest.raises(ValueError, match="row 2's post is None, not text"):
+        ppo_tldr.load_tldr_split(str(path), None, "train", "--dataset-name")
