@@ -1,7 +1,9 @@
 # PPO on Reddit TL;DR, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024; "SFD":
 # github.com/vwxyzjn/summarize_from_feedback_details), standing alone. Docs: README.md ("N+ detail k": its list;
 # "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then the plumbing it calls, resolved when it runs.
+import atexit
 import copy
+import errno
 import hashlib
 import json
 import math
@@ -11,7 +13,8 @@ import shutil
 import socket
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple, get_type_hints
 
@@ -21,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -35,6 +38,11 @@ TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
 CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
                    "objective/validation_score")
+CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
+# flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
+RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every",
+                     "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
+                     "trust_remote_code", "ds3_gather_for_generation", "eval_samples"}
 
 
 @dataclass
@@ -139,7 +147,13 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
     resume: str | None = None
-    """continue from a checkpoint directory, or `auto`: the newest complete one in --output-dir (if none, start)"""
+    """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if none, start)"""
+    resume_with_changes: tuple[str, ...] = ()
+    """flags a resume may change though they change the run, e.g. learning-rate (others differing: refused)"""
+    peer_timeout: Annotated[float, "(0, inf)"] = 30.0
+    """minutes a process waits for the others in a collective (a checkpoint save, a peer that died) before it stops"""
+    overwrite: bool = False
+    """a new run into a folder with another run's logs or checkpoints deletes them (off: refused)"""
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
@@ -369,7 +383,7 @@ def main(args: Args) -> None:
             "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
             "reward model": reward_model}, setup.zero_stage,
             [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
-             f"{score_bias(unwrapped.value_model.config):.4g}"])
+             f"{score_bias(unwrapped.value_model.config):.4g}", *resume_lines(setup)])
     chunk = args.local_rollout_forward_batch_size
     held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
     checkpoints = setup.output_dir / "checkpoints"
@@ -583,6 +597,9 @@ def flag_intervals() -> dict[str, str]:
 
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    unknown = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes} - set(asdict(args))
+    if unknown:
+        raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
     for name, interval in flag_intervals().items():
         value = getattr(args, name)
         if value is not None and not in_interval(value, interval):
@@ -645,13 +662,17 @@ class Setup:
     stop_token_id: int | None
     train_dataset: Dataset
     eval_dataset: Dataset
+    resume_notes: list[str] = field(default_factory=list)  # checkpoints passed over as damaged
+    resume_changes: dict = field(default_factory=dict)  # flags changed since the run began: name -> [then, now]
 
 
 def set_up(args: Args) -> Setup:
     """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
     check_args(args)
     # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # a process whose peer died stops after --peer-timeout minutes in a collective: one bound on NCCL and gloo
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, kwargs_handlers=[
+        InitProcessGroupKwargs(timeout=timedelta(minutes=args.peer_timeout))])
     check_same_launch(accelerator, args)
     # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
     ds_plugin = accelerator.state.deepspeed_plugin
@@ -671,13 +692,14 @@ def set_up(args: Args) -> Setup:
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
     output_dir = Path(args.output_dir) if args.output_dir else None
-    checkpoint = find_checkpoint(args.resume, output_dir) if args.resume else None
+    checkpoint, resume_notes = find_checkpoint(args.resume, output_dir) if args.resume else (None, [])
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
         time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
     # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
     output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
+    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -717,7 +739,7 @@ def set_up(args: Args) -> Setup:
         start_update = saved["update"] + 1
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
     return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
-                 stop_token_id, train_dataset, eval_dataset)
+                 stop_token_id, train_dataset, eval_dataset, resume_notes, changes)
 
 
 # ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
@@ -771,10 +793,14 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
+        if kind == "json":
+            check_json_file(path, flag)
         try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
             ds = load_dataset(kind, data_files=str(path), split="train")
         except (StopIteration, ValueError) as error:
             raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
+        except Exception as error:  # datasets' DatasetGenerationError keeps the cause in a chained exception
+            raise ValueError(f"{flag} {name}: {error.__cause__ or error}") from error
     elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):
@@ -790,7 +816,42 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     if missing:
         raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
                          f"{list(TLDR_COLUMNS)}")
+    for column in TLDR_COLUMNS:  # a null or a number would fail deep in the tokenizer, naming nothing
+        row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
+        if row is not None:
+            raise ValueError(f"{flag} {name}: row {row}'s {column} is {ds[row][column]!r:.60}, not text")
     return ds
+
+
+def check_json_file(path: Path, flag: str) -> None:
+    """Name the line of a .json/.jsonl file that is not UTF-8, not JSON or repeats a key (datasets names none)."""
+    def unique_keys(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+        return dict(pairs)
+
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{flag} {path}: line {data[:error.start].count(10) + 1} is not UTF-8 (byte "
+                         f"{data[error.start]:#04x}): save the file as UTF-8") from None
+    try:  # one JSON document (an empty file: refused below, as having no rows)
+        json.loads(text, object_pairs_hook=unique_keys) if text.strip() else None
+        return
+    except json.JSONDecodeError as error:
+        if error.msg != "Extra data":
+            raise ValueError(f"{flag} {path}: line {error.lineno} is not valid JSON ({error.msg})") from None
+    except ValueError as error:
+        raise ValueError(f"{flag} {path}: {error}") from None
+    for number, line in enumerate(text.splitlines(), 1):  # JSON Lines
+        try:
+            if line.strip():
+                json.loads(line, object_pairs_hook=unique_keys)
+        except ValueError as error:
+            raise ValueError(f"{flag} {path}: line {number} is not valid JSON "
+                             f"({getattr(error, 'msg', error)})") from None
 
 
 # ---- Model forwards: pad ids become 0, masked out, so a [PAD] needs no embedding resize (N+ detail 6) --------------
@@ -1090,46 +1151,239 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def disk_space_named(folder: Path):
+    """A write that fails on a full disk says so and where (torch says only "unexpected pos")."""
+    try:
+        yield
+    except Exception as error:
+        usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
+        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
+        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
+                usage.free < min(2**24, usage.total // 20)):
+            raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
+                          f"there ({type(error).__name__}: {error}); free space and resume") from error
+        raise
+
+
+def log_rows(path: Path) -> list[tuple[str, dict]]:
+    """A jsonl log's lines and rows; a last line torn by a kill is dropped, another bad line refused by number."""
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append((line, json.loads(line)))
+        except json.JSONDecodeError as error:
+            if number < len(lines):
+                raise ValueError(f"{path} line {number} is not JSON ({error.msg}): remove the line to resume") from None
+    return rows
+
+
 def keep_rows_before(path: Path, start_update: int) -> None:
     """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
     if path.exists():
-        rows = path.read_text().splitlines()
-        write_atomic(path, "".join(row + "\n" for row in rows if json.loads(row)["update"] < start_update))
+        write_atomic(path, "".join(line + "\n" for line, row in log_rows(path) if row["update"] < start_update))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
+    """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
+    holder gone from this host (killed) left it stale: taken over; another host's, once neither the lock nor
+    metrics.jsonl (written each update) changed for `stale_after` seconds (a Slurm requeue lands on another node)."""
+    lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(3):
+        if lock.exists():
+            host, _, pid = lock.read_text().partition(" ")
+            last = max(p.stat().st_mtime for p in (lock, output_dir / "metrics.jsonl") if p.exists())
+            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not process_alive(
+                    int(pid))) or host != socket.gethostname() and time.time() - last > stale_after):
+                raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
+                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock} "
+                                 "(another host's is stale after --peer-timeout minutes without an update logged)")
+            if not take:
+                return
+            lock.unlink(missing_ok=True)  # stale, or this process's own
+        if not take:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:  # another run took it meanwhile: named on the next pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        atexit.register(lambda: lock.exists() and lock.read_text() == me and lock.unlink())
+        return
+    raise ValueError(f"{lock}: could not take the lock (another run starting at once?)")
+
+
+def resume_changes(args, run_dir: Path) -> dict:
+    """The flags that differ from the run's args.json (with its earlier resumes' changes): refused unless each is
+    in RESUME_MAY_CHANGE (logging, saving) or named by --resume-with-changes; else (name: [then, now])."""
+    path = run_dir / "args.json"
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is unreadable ({error}): the run's flags cannot be compared to resume") from None
+    for resumed in saved.get("resumes", []):
+        saved.update({name: now for name, (_, now) in resumed["changes"].items()})
+    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as args.json holds them
+    changed = {name: [saved[name], value] for name, value in now.items() if name in saved and saved[name] != value}
+    named = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
+    refused = {name: change for name, change in changed.items() if name not in RESUME_MAY_CHANGE | named}
+    if refused:
+        raise ValueError(f"--resume: flags differ from the run's {path} (then, now): {refused}; they change the run, "
+                         "so resume with the original flags, or name them in --resume-with-changes to go on with them")
+    return {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
+
+
+def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
+    """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
+    a resume's flags compared (`resume_changes`), by the main process for all; `take` (`RunLog`, once the models
+    loaded: a refused run writes nothing): the lock and the deletions too."""
+    result = None
+    if accelerator.is_main_process:
+        try:
+            lock_output_dir(output_dir, take, stale_after=args.peer_timeout * 60)
+            found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
+                p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
+            if found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==
+                                               output_dir.resolve())):
+                if not args.overwrite:
+                    raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue "
+                                     "it with --resume auto, or give a new --output-dir (--overwrite deletes it)")
+                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] if (
+                        take) else []:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            for log in ("metrics.jsonl", "samples.jsonl"):
+                if args.resume and (output_dir / log).exists():
+                    log_rows(output_dir / log)  # a bad line refused now, not after the models load
+            result = resume_changes(args, checkpoint.parent.parent if checkpoint else output_dir) if args.resume else {}
+        except ValueError as error:
+            result = error
+    result = broadcast_object_list([result])[0]  # the other processes raise the same error, or go on
+    if isinstance(result, ValueError):
+        raise ValueError(str(result))
+    return result
+
+
+def write_args(output_dir: Path, args, run_name: str, changes: dict, start_update: int) -> None:
+    """args.json: a new run's flags; a resumed run's keeps the original and adds its changes under `resumes`."""
+    path = output_dir / "args.json"
+    if not (args.resume and path.is_file()):
+        write_atomic(path, json.dumps({**asdict(args), "run_name": run_name}, indent=2))
+    elif changes:
+        saved = json.loads(path.read_text())
+        saved["resumes"] = saved.get("resumes", []) + [{"at_update": start_update, "changes": changes}]
+        write_atomic(path, json.dumps(saved, indent=2))
+
+
+def resume_lines(setup: Setup) -> list[str]:
+    """The banner's lines on a resume: checkpoints passed over, and each flag changed since the run began."""
+    return setup.resume_notes + [f"resumed with --{name.replace('_', '-')} changed from {then} to {now}"
+                                 for name, (then, now) in setup.resume_changes.items()]
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    """The sha256 of every file of a checkpoint, in `sha256sum -c` format: a resume verifies them before loading."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    (folder / CHECKSUMS).write_text("".join(f"{file_sha256(p)}  {p.relative_to(folder)}\n" for p in files))
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since written), or None."""
+    if not (folder / "trainer_state.json").is_file():
+        return f"{folder / 'trainer_state.json'} is missing"
+    if not (folder / CHECKSUMS).is_file():
+        return None  # written before checksums were (#50)
+    for line in (folder / CHECKSUMS).read_text().splitlines():
+        expected, name = line.split("  ", 1)
+        try:
+            if file_sha256(folder / name) != expected:
+                return f"{folder / name} differs from its checksum in {CHECKSUMS} (damaged)"
+        except OSError as error:
+            return f"{folder / name}: {error.strerror or error}"
+    return None
+
+
+def update_number(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("update-"))
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """accelerate's save_state written aside and renamed into place, then `latest` moved: a kill never leaves
-    a half checkpoint. `state` records the batch arithmetic, so a changed resume is refused."""
-    final, tmp = checkpoints / f"update-{state['update']:06d}", checkpoints / f".tmp-update-{state['update']:06d}"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed while saving
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_atomic(checkpoints / "latest", final.name)
-        if save_total_limit is not None:
-            for old in sorted(checkpoints.glob("update-*"))[:-save_total_limit]:
+    """accelerate's save_state written aside (a name unique to this run), its checksums added, renamed into place,
+    then `latest` moved: a kill never leaves a half checkpoint. `state` records the batch arithmetic, so a changed
+    resume is refused. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
+    final = checkpoints / f"update-{state['update']:06d}"
+    tmp = checkpoints / f".tmp-{final.name}-{owner}"
+    with disk_space_named(checkpoints):
+        if accelerator.is_main_process:
+            for left in checkpoints.glob(".tmp-update-*"):  # by a run killed while saving (the lock keeps others out)
+                shutil.rmtree(left)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            write_checksums(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_atomic(checkpoints / "latest", final.name)
+            # a resume's abandoned later checkpoints are not this run's: left, to be overwritten
+            earlier = sorted((p for p in checkpoints.glob("update-[0-9]*") if update_number(p) < state["update"]),
+                             key=update_number)
+            for old in earlier[:max(len(earlier) - save_total_limit + 1, 0)] if save_total_limit else []:
                 shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+        accelerator.wait_for_everyone()
 
 
-def find_checkpoint(resume: str, output_dir: Path | None) -> Path | None:
-    """`auto`: the checkpoint that output_dir/checkpoints/latest names (None if there is none yet); else the path."""
-    if resume == "auto":
-        if output_dir is None:
-            raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
-        pointer = output_dir / "checkpoints" / "latest"
-        return pointer.parent / pointer.read_text().strip() if pointer.exists() else None
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
-    return path
-
+def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from, verified, and notes on those passed over. `auto`: the one that
+    output_dir/checkpoints/latest names, else the newest whole one before it (None if there is none yet)."""
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir() or not {"trainer_state.json", CHECKSUMS} & {p.name for p in path.iterdir()}:
+            raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+        if problem := checkpoint_problem(path):
+            raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}; resume from another one")
+        return path, []
+    if output_dir is None:
+        raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+    checkpoints, notes = output_dir / "checkpoints", []
+    candidates = sorted(checkpoints.glob("update-[0-9]*"), key=update_number, reverse=True)
+    if (checkpoints / "latest").is_file():
+        named = checkpoints / (checkpoints / "latest").read_text().strip()
+        candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
+    for candidate in candidates:
+        if problem := checkpoint_problem(candidate):
+            notes.append(f"checkpoint {candidate} is damaged or incomplete: {problem}")
+        else:
+            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * bool(notes)
+    if notes:
+        raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
+    return None, []
 
 def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
                  notes: list[str]) -> None:
@@ -1164,6 +1418,7 @@ class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
     def __init__(self, args: Args, setup: Setup, console: Console):
+        claim_output_dir(setup.accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before any write
         self.main_process, self.track = setup.accelerator.is_main_process, args.track
         self.num_updates = setup.sizes.num_updates
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -1177,9 +1432,11 @@ class RunLog:
         # the tokenizer as given: the [PAD] is a training-time device
         AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
                                       trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
-        (output_dir / "args.json").write_text(json.dumps({**asdict(args), "run_name": setup.run_name}, indent=2))
+        write_args(output_dir, args, setup.run_name, setup.resume_changes, setup.start_update)
         keep_rows_before(output_dir / "metrics.jsonl", setup.start_update)
-        self.metrics_file, self.writer = open(output_dir / "metrics.jsonl", "a"), SummaryWriter(str(output_dir))
+        # TensorBoard drops the points of the updates a resumed run redoes
+        self.metrics_file = open(output_dir / "metrics.jsonl", "a")
+        self.writer = SummaryWriter(str(output_dir), purge_step=setup.start_update)
         if args.track:
             import wandb
 
@@ -1222,9 +1479,10 @@ def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, co
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:
-        unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
-        unwrapped.value_model.save_pretrained(output_dir / "value_model",
-                                              state_dict=sub_state(state_dict, "value_model"))
+        with disk_space_named(output_dir):
+            unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
+            unwrapped.value_model.save_pretrained(output_dir / "value_model",
+                                                  state_dict=sub_state(state_dict, "value_model"))
         console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
 

@@ -15,7 +15,7 @@ BAD = {
         "num_mini_batches": 0, "num_ppo_epochs": 0, "local_rollout_forward_batch_size": 0, "response_length": 0,
         "temperature": 0.0, "missing_eos_penalty": -1.0, "kl_coef": -1.0, "cliprange": 0.0, "vf_coef": -1.0,
         "cliprange_value": 0.0, "gamma": 2.0, "lam": -0.1, "learning_rate": -1.0, "max_grad_norm": -1.0,
-        "save_every": -1, "save_total_limit": 0,
+        "save_every": -1, "save_total_limit": 0, "peer_timeout": 0.0,
     },
     ppo: {
         "eval_samples": -1, "stop_token_id": -1, "kl_target": 0.0, "kl_horizon": 0.0, "target_kl": 0.0,

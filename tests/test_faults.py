@@ -1,0 +1,256 @@
+"""Nothing lost, nothing silently wrong (#50): a run owns its folder, a resume refuses what would change the run,
+checkpoints are verified before loading, and every bad file or flag is named before any model loads."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import tyro
+
+import ppo
+import ppo_tldr
+from conftest import ROOT, make_tokenizer, run_ppo, tiny_args, without_wall_clock
+from test_checkpoints import flat_weights
+
+
+def set_up(assets, out, *extra, take=False):
+    """ppo.py's set-up alone (every check, no model loaded) on the tiny assets, into `out`; `take`: then what
+    `RunLog` does first, once the models loaded: take the folder (the lock, --overwrite's deletions)."""
+    args = tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra])
+    accelerator, setup = ppo.set_up(args)
+    if take:
+        ppo.claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)
+    return setup
+
+
+def finished_run(out):
+    """A folder as a finished run leaves it (the files that matter here)."""
+    (out / "checkpoints" / "update-000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"update": 1}\n{"update": 2}\n')
+    return out
+
+
+def test_a_new_run_into_another_runs_folder_is_refused_and_nothing_emptied(assets, tmp_path):
+    out = finished_run(tmp_path / "run")
+    with pytest.raises(ValueError, match="holds another run") as error:
+        set_up(assets, out)
+    assert str(out) in str(error.value) and "--resume auto" in str(error.value) and "--output-dir" in str(error.value)
+    assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n{"update": 2}\n' and not (out / ".lock").exists()
+    with pytest.raises(ValueError, match="holds another run"):  # ppo_tldr.py too, before its tokenizer loads
+        ppo_tldr.set_up(ppo_tldr.Args(output_dir=str(out)))
+    set_up(assets, out, "--overwrite", take=True)  # on purpose: the other run's logs and checkpoints are deleted
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+def test_the_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for holder in (f"{socket.gethostname()} {os.getppid()}", "other-host 4242"):  # a live process; another host's
+        (out / ".lock").write_text(holder)
+        host, pid = holder.split()
+        with pytest.raises(ValueError, match=f"in use by the run of process {pid} on host {host}"):
+            set_up(assets, out)
+    stale = time.time() - 31 * 60  # another host's lock, untouched longer than --peer-timeout (30 min): taken over
+    os.utime(out / ".lock", (stale, stale))
+    set_up(assets, out, take=True)
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (out / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")  # a killed run's
+    set_up(assets, out, take=True)
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+@pytest.mark.parametrize("change, field", [
+    (["--learning-rate", "0.5"], "learning_rate"), (["--temperature", "0.9"], "temperature"),
+    (["--response-length", "4"], "response_length"), (["--reward-fn", "vader"], "reward_fn"),
+    (["--num-mini-batches", "4", "--per-device-train-batch-size", "2"], "num_mini_batches"),  # the same batch
+    (["--cliprange", "0.3"], "cliprange"), (["--sft-model-path", "RM"], "sft_model_path"),
+])
+def test_a_resume_refuses_a_flag_that_changes_the_run(assets, tmp_path, change, field):
+    out = tmp_path / "run"
+    out.mkdir()
+    ppo.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
+    change = [str(assets["rm"]) if c == "RM" else c for c in change]
+    with pytest.raises(ValueError, match="flags differ from the run's") as error:
+        set_up(assets, out, "--resume", "auto", *change)
+    assert field in str(error.value) and "--resume-with-changes" in str(error.value)
+
+
+def test_a_resume_records_the_changes_it_may_make(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    ppo.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
+    extra = ["--resume", "auto", "--save-every", "3", "--learning-rate", "0.5", "--resume-with-changes",
+             "learning-rate"]
+    setup = set_up(assets, out, *extra)
+    assert setup.resume_changes == {"learning_rate": [1e-3, 0.5], "save_every": [0, 3]}
+    assert "resumed with --learning-rate changed from 0.001 to 0.5" in ppo.resume_lines(setup)
+    resumed = tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra])
+    ppo.write_args(out, resumed, "run 2", setup.resume_changes, 3)
+    saved = json.loads((out / "args.json").read_text())
+    assert saved["learning_rate"] == 1e-3 and saved["run_name"] == "run" and saved["resumes"] == [
+        {"at_update": 3, "changes": {"learning_rate": [1e-3, 0.5], "save_every": [0, 3]}}]
+    set_up(assets, out, "--resume", "auto", "--learning-rate", "0.5")  # the run now goes on at 0.5
+    with pytest.raises(ValueError, match="--resume-with-changes learning_ratee: no such flag"):
+        ppo.check_args(ppo.Args(resume_with_changes=("learning-ratee",)))
+
+
+def squeezed(text):
+    return "".join(text.split())
+
+
+def flip_bytes(path, offset=200, count=8):
+    data = bytearray(path.read_bytes())
+    data[offset:offset + count] = bytes(255 - b for b in data[offset:offset + count])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_named_and_resume_auto_falls_back_to_a_whole_one(assets, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(assets, "--save-every", "1", "--eval-samples", "2", "--eval-every", "1")
+    _, uninterrupted = run_ppo(args, out)  # 2 updates, a checkpoint after each
+    weights = flat_weights(out / "model.safetensors")
+    checkpoints = out / "checkpoints"
+    assert subprocess.run(["sha256sum", "--quiet", "-c", ppo.CHECKSUMS], cwd=checkpoints / "update-000002").returncode \
+        == 0  # the checksums are in the standard tool's format
+    flip_bytes(checkpoints / "update-000002" / "optimizer.bin")  # the newest: 8 bytes flipped
+    with pytest.raises(ValueError, match="update-000002/optimizer.bin differs from its checksum"):
+        ppo.find_checkpoint(str(checkpoints / "update-000002"), None)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"update": 3, "objective/sc')  # a last line torn by a kill
+    proc, rows = run_ppo(args + ["--resume", "auto", "--save-every", "2"], out)
+    stdout = squeezed(proc.stdout)  # rich wraps the banner's long lines
+    assert squeezed("update-000002/optimizer.bin differs from its checksum") in stdout
+    assert squeezed(f"falling back to {checkpoints / 'update-000001'}") in stdout
+    assert squeezed("continuing at update 2") in stdout
+    assert squeezed("resumed with --save-every changed from 1 to 2") in stdout  # an allowed change, in the banner
+    assert without_wall_clock(rows) == without_wall_clock(uninterrupted)  # each update once, as uninterrupted
+    assert torch.equal(flat_weights(out / "model.safetensors"), weights)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out))
+    events.Reload()  # the redone update's first points purged: each step once
+    assert [e.step for e in events.Scalars("objective/scores")] == [1, 2]
+    assert [e.step for e in events.Scalars("eval/scores")] == [0, 1, 2]
+    assert ppo.checkpoint_problem(checkpoints / "update-000002") is None  # written anew
+    (checkpoints / "update-000002" / "model.safetensors").unlink()  # a file deleted
+    assert ppo.find_checkpoint("auto", out) == (checkpoints / "update-000001", [
+        f"checkpoint {checkpoints / 'update-000002'} is damaged or incomplete: "
+        f"{checkpoints / 'update-000002' / 'model.safetensors'}: No such file or directory",
+        f"falling back to {checkpoints / 'update-000001'}, the newest whole checkpoint"])
+    (checkpoints / "update-000001" / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="no whole checkpoint"):  # none left: refused, not started afresh
+        ppo.find_checkpoint("auto", out)
+
+
+def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
+    """Resumed from update 5 in a folder that also holds 8 (a later, abandoned history): writing 6 with
+    --save-total-limit 1 keeps 6, which `latest` names, and leaves 8 to be overwritten."""
+    from accelerate import Accelerator
+
+    accelerator, checkpoints = Accelerator(cpu=True), tmp_path / "checkpoints"
+    for update in (5, 8):
+        (checkpoints / f"update-00000{update}").mkdir(parents=True)
+        (checkpoints / f"update-00000{update}" / "trainer_state.json").write_text("{}")
+    ppo.save_checkpoint(accelerator, checkpoints, {"update": 6}, 1)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000008"]
+    assert (checkpoints / "latest").read_text() == "update-000006"
+    assert ppo.checkpoint_problem(checkpoints / "update-000006") is None
+    ppo.save_checkpoint(accelerator, checkpoints, {"update": 7}, 2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000007",
+                                                             "update-000008"]
+
+
+def test_a_full_disk_says_so_and_where(assets, tmp_path):
+    """A real full file system: a 64 KiB tmpfs on the checkpoints folder, mounted in a private mount namespace."""
+    out, probe = tmp_path / "run", tmp_path / "probe"
+    probe.mkdir()
+    if subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=64k", "none", str(probe)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("no tmpfs mount here (unshare -rm mount needs user namespaces or root)")
+    (out / "checkpoints").mkdir(parents=True)
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=64k none "$0" && exec "$@"',
+                           str(out / "checkpoints"), sys.executable, str(ROOT / "ppo.py"), "--output-dir", str(out),
+                           *tiny_args(assets, "--total-episodes", "16")], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode != 0 and "no space left on device" in proc.stderr
+    assert f"writing {out / 'checkpoints'} failed" in proc.stderr
+    assert (out / "model.safetensors").is_file()  # the models were saved before the checkpoint
+
+
+def jsonl(path, lines):
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+                              for line in lines))
+    return path
+
+
+def bad_inputs(root):
+    good = [{"prompt": f"w{i} w2 w3"} for i in range(40)]
+    chat = {"prompt": [{"role": "user", "content": "w1 w2"}]}
+    return {
+        "invalid JSON": (jsonl(root / "bad.jsonl", good[:6] + [b'{"prompt": "w1}'] + good), "line 7 is not valid JSON"),
+        "duplicate key": (jsonl(root / "dup.jsonl", good[:2] + [b'{"prompt": "w1", "prompt": "w2"}'] + good),
+                          "line 3 is not valid JSON (the key 'prompt' appears twice)"),
+        "not UTF-8": (jsonl(root / "latin.jsonl", good[:4] + [b'{"prompt": "caf\xe9"}'] + good),
+                      "line 5 is not UTF-8 (byte 0xe9)"),
+        "null prompt": (jsonl(root / "null.jsonl", good[:4] + [{"prompt": None}] + good), "row 4's prompt is None"),
+        "integer prompt": (jsonl(root / "int.jsonl", good[:2] + [{"prompt": 7}] + good), "row 2's prompt is 7 (int)"),
+        "text after chat": (jsonl(root / "mixed.jsonl", [chat, *good]), "row 1's prompt is 'w0 w2 w3' (str)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["invalid JSON", "duplicate key", "not UTF-8", "null prompt", "integer prompt",
+                                  "text after chat"])
+def test_a_bad_prompt_file_is_named_by_line_or_row(assets, tmp_path, case):
+    path, message = bad_inputs(tmp_path)[case]
+    with pytest.raises(ValueError, match="--dataset-name") as error:
+        set_up(assets, tmp_path / "run", "--dataset-name", str(path))
+    assert str(path) in str(error.value) and message in str(error.value), str(error.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_weights_and_flags_are_named_at_start_up(assets, tmp_path):
+    sft = tmp_path / "sft"
+    shutil.copytree(assets["sft"], sft)
+    weights = sft / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # truncated
+    with pytest.raises(ValueError, match=f"{weights} cannot be read"):
+        set_up(assets, tmp_path / "run", "--sft-model-path", str(sft))
+    with pytest.raises(ValueError, match="--stop-token-id 999999: the policy has 31 tokens"):
+        set_up(assets, tmp_path / "run", "--stop-token-id", "999999")
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    small = tmp_path / "rm_small"  # 20 embedding rows, read with the 31-token tokenizer
+    GPTNeoXForSequenceClassification(GPTNeoXConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32, num_labels=1,
+                                                   eos_token_id=0)).save_pretrained(small)
+    make_tokenizer(False).save_pretrained(small)
+    with pytest.raises(ValueError, match="tokenizer it reads with has 31 tokens, its model 20 embedding rows"):
+        set_up(assets, tmp_path / "run", "--reward-model-path", str(small))
+    out = tmp_path / "killed"  # a run killed before its first checkpoint, restarted with --resume auto
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"update": 1}\n{"upd\n{"update": 2}\n')  # a bad line that is not the last
+    with pytest.raises(ValueError, match="metrics.jsonl line 2 is not JSON"):
+        set_up(assets, out, "--resume", "auto")
+
+
+def test_ppo_tldr_names_a_bad_json_line_too(tmp_path):
+    path, message = bad_inputs(tmp_path)["invalid JSON"]
+    with pytest.raises(ValueError, match=f"--eval-dataset-name {path}: {message}"):
+        ppo_tldr.load_tldr_split(str(path), None, "train", "--eval-dataset-name")
+
+
+def test_ppo_tldr_names_a_row_that_is_not_text(tmp_path):
+    rows = [{"subreddit": "a", "title": "t", "post": "p", "summary": "s"} for _ in range(4)]
+    rows[2]["post"] = None
+    path = jsonl(tmp_path / "posts.jsonl", rows)
+    with pytest.raises(ValueError, match="row 2's post is None, not text"):
+        ppo_tldr.load_tldr_split(str(path), None, "train", "--dataset-name")
