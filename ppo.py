@@ -762,7 +762,7 @@ def check_args(args: Args) -> None:
 
 
 def check_same_launch(accelerator: Accelerator, args) -> None:
-    """Machines launched with other flags or process counts would train apart or hang in a collective (#30)."""
+    """Machines launched with other flags or process counts would train apart or hang in a collective."""
     if accelerator.num_processes == 1:
         return
     flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
@@ -997,7 +997,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
     saved = None
-    if checkpoint is not None:  # a checkpoint from before #30 has no num_processes: taken as unchanged
+    if checkpoint is not None:  # an older checkpoint has no num_processes: taken as unchanged
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
         changed = {k: (saved[k], v) for k, v in run_state.items() if saved.get(k, v) != v}
         if changed:
@@ -2091,7 +2091,7 @@ def checkpoint_problem(folder: Path) -> str | None:
     if not (folder / "trainer_state.json").is_file():
         return f"{folder / 'trainer_state.json'} is missing"
     if not (folder / CHECKSUMS).is_file():
-        return None  # written before checksums were (#50)
+        return None  # written before checkpoints carried checksums
     for line in (folder / CHECKSUMS).read_text().splitlines():
         expected, name = line.split("  ", 1)
         try:

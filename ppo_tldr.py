@@ -618,7 +618,7 @@ def check_args(args: Args) -> None:
 
 
 def check_same_launch(accelerator: Accelerator, args) -> None:
-    """Machines launched with other flags or process counts would train apart or hang in a collective (#30)."""
+    """Machines launched with other flags or process counts would train apart or hang in a collective."""
     if accelerator.num_processes == 1:
         return
     flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
@@ -732,7 +732,7 @@ def set_up(args: Args) -> Setup:
     if checkpoint is not None:  # the checkpoint's run must have had the same settings
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
         changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k, v) != v}
-        if changed:  # a checkpoint from before #30 has no num_processes: taken as unchanged
+        if changed:  # an older checkpoint has no num_processes: taken as unchanged
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags and number of processes, or the data order, random streams and "
                              "learning rate would not continue")
@@ -1315,7 +1315,7 @@ def checkpoint_problem(folder: Path) -> str | None:
     if not (folder / "trainer_state.json").is_file():
         return f"{folder / 'trainer_state.json'} is missing"
     if not (folder / CHECKSUMS).is_file():
-        return None  # written before checksums were (#50)
+        return None  # written before checkpoints carried checksums
     for line in (folder / CHECKSUMS).read_text().splitlines():
         expected, name = line.split("  ", 1)
         try:

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silently wrong (#50): a run owns its folder, a resume refuses what would change the run,
+"""Nothing lost, nothing silently wrong: a run owns its folder, a resume refuses what would change the run,
 checkpoints are verified before loading, and every bad file or flag is named before any model loads."""
 import json
 import os
