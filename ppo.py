@@ -1023,9 +1023,12 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
                       tokenizer, chat, args.dataset_prompt_column, args.local_rollout_forward_batch_size)
-    return accelerator, Setup(sizes, zero3, run_name, output_dir, checkpoint, saved, run_state, sft_model_path,
-                              sft_adapters, fresh_adapter, value_model_path, value_init, tokenizer, stop_token_id,
-                              eos_check_id, train_dataset, eval_rows, rewards, resume_notes, changes)
+    return accelerator, Setup(
+        sizes=sizes, zero3=zero3, run_name=run_name, output_dir=output_dir, checkpoint=checkpoint, saved=saved,
+        run_state=run_state, sft_model_path=sft_model_path, sft_adapters=sft_adapters, fresh_adapter=fresh_adapter,
+        value_model_path=value_model_path, value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id,
+        eos_check_id=eos_check_id, train_dataset=train_dataset, eval_rows=eval_rows, rewards=rewards,
+        resume_notes=resume_notes, resume_changes=changes)
 
 
 # ---- Model forwards: the plain computation (the speed layer at the end of the file replaces some, exactly) ----------

@@ -738,8 +738,10 @@ def set_up(args: Args) -> Setup:
                              "learning rate would not continue")
         start_update = saved["update"] + 1
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    return Setup(accelerator, sizes, zero_stage, run_name, output_dir, checkpoint, run_state, start_update, tokenizer,
-                 stop_token_id, train_dataset, eval_dataset, resume_notes, changes)
+    return Setup(accelerator=accelerator, sizes=sizes, zero_stage=zero_stage, run_name=run_name, output_dir=output_dir,
+                 checkpoint=checkpoint, run_state=run_state, start_update=start_update, tokenizer=tokenizer,
+                 stop_token_id=stop_token_id, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                 resume_notes=resume_notes, resume_changes=changes)
 
 
 # ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
