@@ -1819,7 +1819,7 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
         if not roles <= {"system", "user", "assistant", "tool"}:
             raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
                              "assistant, tool)")
-    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL's convention)
+    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12 starts a new turn)
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
                                            continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
              for m in prompts]
@@ -2023,11 +2023,11 @@ class RewardComponents(dict):
 
 
 def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
-    """A reward function's keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset gives
-    them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
-    assistant prefix included, as TRL), `completion_ids` (up to the stop token) and every other column of the rows."""
+    """A reward function's data keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset
+    gives them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
+    assistant prefix included: README), `completion_ids` (up to the stop token) and every other column of the rows."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    prompts = rows[prompt_column]  # TRL also pops a final assistant prefix out of them: here they stay as given
+    prompts = rows[prompt_column]
     completions = [[{"role": "assistant", "content": assistant_prefix(p) + t}] if isinstance(p, list) else t
                    for p, t in zip(prompts, texts)]
     # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
