@@ -2005,7 +2005,7 @@ class RewardLogs:
             while key in self.columns or key in self.taken:  # a column logged twice, or a table's own: _2, _3...
                 n += 1
                 key = f"{column}_{n}"
-            self.columns[key] = [v.item() if hasattr(v, "item") else v for v in values]
+            self.columns[key] = [v.tolist() if hasattr(v, "tolist") else v for v in values]  # tensors, numpy: JSON
 
         def log_metric(name: str, value: float) -> None:
             if not math.isfinite(float(value)):

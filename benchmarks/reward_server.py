@@ -28,8 +28,9 @@ def rendered(tokenizer, prompts: list, completions: list) -> list[str]:
     if not isinstance(completions[0], list):
         return [p + c for p, c in zip(prompts, completions)]
     # a completion already holds the prompt's final assistant prefix: it replaces that message
-    return [tokenizer.apply_chat_template(ppo.as_messages(p)[:-1 if ppo.assistant_prefix(p) else None] + c,
-                                          tokenize=False) for p, c in zip(prompts, completions)]
+    messages = [ppo.as_messages(p) for p in prompts]
+    return [tokenizer.apply_chat_template(m[:-1] + c if m[-1]["role"] == "assistant" else m + c, tokenize=False)
+            for m, c in zip(messages, completions)]
 
 
 class Scorer:

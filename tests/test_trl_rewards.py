@@ -217,6 +217,24 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     assert [path for path, _ in got].count("/missing") == 1
 
 
+def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
+    """benchmarks/reward_server.py: a chat completion (holding its prompt's assistant prefix) is the assistant turn of
+    the reward model's template, as `ppo.reward_model_texts` renders it; text is prompt + completion, as TRL's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from reward_server import rendered
+    from test_rewards import chat_tokenizer
+
+    tok = chat_tokenizer()
+    prefix = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]
+    queries = ppo.left_pad(ppo.encode_prompts(tok, [prefix, prefix[:1]]), 36)
+    answers = torch.tensor([[8, 9, 32], [8, 32, 36]])  # "w7 w8", "w7", each ending its turn
+    completions = ppo.reward_fn_kwargs(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
+                                       answers)["completions"]
+    assert rendered(tok, [prefix, prefix[:1]], completions) == ppo.reward_model_texts(
+        tok, tok, [prefix, prefix[:1]], queries, answers, chat=True)
+    assert rendered(tok, ["w1 w2", "w3"], [" w4", " w5"]) == ["w1 w2 w4", "w3 w5"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # start-up: refused before any model loads
 # ---------------------------------------------------------------------------------------------------------------
