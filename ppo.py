@@ -683,7 +683,7 @@ def reward_means(components: dict, prefix: str, total: Callable) -> dict:
     `log_metric`, averaged over processes, as `{prefix}/reward_fn/<name>`."""
     logged = getattr(components, "metrics", {})
     names, device = sorted(logged), next(iter(components.values())).device
-    tag = float(zlib.crc32(repr(names).encode()) % 2**20)  # the same on every process, or its metrics differ
+    tag = float(zlib.crc32(repr(names).encode()) % 4096)  # the same on every process (sums exact in float32)
     sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
                               for c in components.values()] + [torch.tensor([tag, 1.0, 0.0], device=device)]))
     if sums[-1, 0] != tag * sums[-1, 1]:
@@ -932,10 +932,11 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     # prompts tokenised once; every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
-    clash = {"prompts", "completions"} & set(dataset.column_names) - {args.dataset_prompt_column}
+    clash = {"prompts", "completions", *TRAINER_KEYWORDS} & set(dataset.column_names) - {args.dataset_prompt_column}
     if clash:
         raise ValueError(f"{args.dataset_name}: column(s) {sorted(clash)} would collide with the keywords reward "
-                         "functions are called with (prompts, completions, completion_ids): rename them")
+                         "functions are called with (prompts, completions, completion_ids, "
+                         f"{', '.join(TRAINER_KEYWORDS)}): rename them")
     with accelerator.main_process_first(), accelerator.local_main_process_first():
         dataset = dataset.map(
             lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},

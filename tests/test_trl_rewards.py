@@ -243,11 +243,17 @@ def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
     ("tests/rewards.py:raises_inside", RuntimeError, "--reward-fn tests/rewards.py:raises_inside, called with the "
      "keywords prompts, completions, completion_ids, trainer_state, log_extra, log_metric, raised ZeroDivisionError"),
     ("http://127.0.0.1:PORT/score", RuntimeError, "http://127.0.0.1:PORT/score failed after 1 tries"),
+    ("COLUMN", ValueError, "column(s) ['log_metric'] would collide with the keywords"),  # a column named as TRL's
 ])
 def test_start_up_refuses_before_models_load(assets, tmp_path, reward_fn, error, message):
     port = str(free_port())  # nothing listens there
     reward_fn, message = reward_fn.replace("PORT", port), message.replace("PORT", port)
-    args = ppo.Args(sft_model_path=str(assets["sft"]), reward_fn=reward_fn, dataset_name=str(assets["prompts"]),
+    prompts = assets["prompts"]
+    if reward_fn == "COLUMN":
+        reward_fn, prompts = "tests/rewards.py:target_word_fraction", tmp_path / "column.jsonl"
+        prompts.write_text("".join(json.dumps({**json.loads(line), "log_metric": 1}) + "\n"
+                                   for line in assets["prompts"].read_text().splitlines()))
+    args = ppo.Args(sft_model_path=str(assets["sft"]), reward_fn=reward_fn, dataset_name=str(prompts),
                     output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=4,
                     num_mini_batches=4, eval_samples=4, num_trainable_layers=None, reward_url_retries=0)
     with pytest.raises(error, match=re.escape(message)):
