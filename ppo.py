@@ -2082,9 +2082,15 @@ def await_together(coroutines: list) -> list:
 def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
     """(fn, kwargs, name) calls in the order given, the async ones' coroutines then awaited together; each checked to
     return, per completion, a finite number or None (the row is not judged: NaN, see `score_responses`)."""
-    started = [(*start_reward_fn(fn, kwargs, name), name) for fn, kwargs, name in calls]
+    started = []
+    try:
+        started.extend((*start_reward_fn(fn, kwargs, name), name) for fn, kwargs, name in calls)
+    except Exception:  # the async functions started before it will not be awaited
+        for out in (out for out, _, _ in started if inspect.iscoroutine(out)):
+            out.close()
+        raise
     waiting = [i for i, (out, _, _) in enumerate(started) if inspect.isawaitable(out)]
-    for i, out in zip(waiting, await_together([started[i][0] for i in waiting])):
+    for i, out in zip(waiting, await_together([started[i][0] for i in waiting]) if waiting else []):
         if isinstance(out, BaseException):
             _, kwargs, name = started[i]
             raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, raised "

@@ -2,6 +2,7 @@
 `log_extra`, `log_metric`), async functions awaited together, a reward served over HTTP (127.0.0.1 only), and TRL's
 own `accuracy_reward` (tests/trl_1_12, unchanged) in a run."""
 import asyncio
+import gc
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -133,6 +135,12 @@ def test_a_function_that_raises_or_times_out_is_named():
         with pytest.raises(RuntimeError, match=re.escape(f"--reward-fn {name}, called with the keywords prompts, "
                                                          f"completions, completion_ids, raised {error}")):
             ppo.call_reward_fn(fn, kwargs, "cpu", name)
+    with warnings.catch_warnings(record=True) as caught:  # an async function started before a sync one raised
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="--reward-fn broken, "):
+            ppo.call_reward_fns([(judge, kwargs, "judge"), (broken, kwargs, "broken")], "cpu")
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]  # is closed, not left unawaited
     # TRL accepts a list of 0-d tensors (what torch ops on one row return); numpy scalars and arrays too
     assert ppo.call_reward_fn(lambda **kw: [torch.tensor(0.5), np.float32(2.0)], kwargs, "cpu", "t").tolist() == [
         0.5, 2.0]
