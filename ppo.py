@@ -4,6 +4,7 @@
 # Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
 # (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
 # in a comment with the word "TRL".
+import asyncio
 import atexit
 import copy
 import errno
@@ -18,7 +19,11 @@ import os
 import random
 import shutil
 import socket
+import threading
 import time
+import urllib.error
+import urllib.request
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -73,8 +78,12 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, num_labels=1), one or more; each may have its own tokenizer"""
     reward_fn: tuple[str, ...] = ()
-    """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`), one or more: `vader`,
-    `module:function` or `file.py:function`; no reward given: `vader`"""
+    """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`, sync or async), one or
+    more: `vader`, `module:function`, `file.py:function`, or a served reward's URL (http://...); none given: `vader`"""
+    reward_url_timeout: Annotated[float, "(0, inf)"] = 60.0
+    """seconds a served reward (--reward-fn http://...) may take to answer one batch before the request is retried"""
+    reward_url_retries: Annotated[int, "[0, inf)"] = 3
+    """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4... s apart"""
     reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
     """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
@@ -525,7 +534,7 @@ def main(args: Args) -> None:
             ref_logprobs, values, full_kl_per_token = forwards.score(models, query_responses, response_ids,
                                                                      context_length, args, pad_token_id)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
-            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows)
+            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
             contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
             if args.missing_eos_penalty is not None:
@@ -703,13 +712,24 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
 
 def reward_means(components: dict, prefix: str, total: Callable) -> dict:
     """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
-    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`; what functions logged with
+    `log_metric`, averaged over processes, as `{prefix}/reward_fn/<name>`."""
     if not components:  # ppo_tldr.py's one reward model: objective/scores says it all
         return {}
+    logged = getattr(components, "metrics", {})
+    names, device = sorted(logged), next(iter(components.values())).device
+    tag = float(zlib.crc32(repr(names).encode()) % 4096)  # the same on every process (sums exact in float32)
     sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
-                              for c in components.values()]))
+                              for c in components.values()] + [torch.tensor([tag, 1.0, 0.0], device=device)]))
+    if sums[-1, 0] != tag * sums[-1, 1]:
+        raise ValueError(f"log_metric: reward functions logged other metric names on other processes (here {names}); "
+                         "log each name on every process, as TRL requires")
     means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
              if none < size}
+    if names:
+        logged_sums = total(torch.tensor([[sum(logged[n]) / len(logged[n]), 1.0] for n in names],
+                                          dtype=torch.float64, device=device))
+        means.update({f"{prefix}/reward_fn/{n}": (s / count).item() for n, (s, count) in zip(names, logged_sums)})
     return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
                         zip(components, sums) if none > 0}}
 
@@ -833,6 +853,8 @@ class Rewards:
     chat: bool
     prompt_column: str
     chunk: int
+    max_steps: int = 1  # updates, and updates per pass over the prompts: TRL's trainer_state
+    updates_per_epoch: int = 1
     models: list = field(default_factory=list)  # filled by `load_models`
 
 
@@ -891,7 +913,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    reward_fns = [load_reward_fn(spec) for spec in fn_specs]
+    reward_fns = [load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries) for spec in fn_specs]
     checkpoint, resume_notes = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if (
         args.resume) else (None, [])
     time_int = int(time.time())
@@ -976,10 +998,11 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     # prompts tokenised once; every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
-    clash = {"prompts", "completions"} & set(dataset.column_names) - {args.dataset_prompt_column}
+    clash = {"prompts", "completions", *TRAINER_KEYWORDS} & set(dataset.column_names) - {args.dataset_prompt_column}
     if clash:
         raise ValueError(f"{args.dataset_name}: column(s) {sorted(clash)} would collide with the keywords reward "
-                         "functions are called with (prompts, completions, completion_ids): rename them")
+                         "functions are called with (prompts, completions, completion_ids, "
+                         f"{', '.join(TRAINER_KEYWORDS)}): rename them")
     with accelerator.main_process_first(), accelerator.local_main_process_first():
         dataset = dataset.map(
             lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
@@ -1004,13 +1027,17 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags and number of processes, or the data order, random streams and "
                              "learning rate would not continue")
+    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
+    rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, fns=reward_fns,
+                      model_paths=reward_model_paths, tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
+                      chat=chat, prompt_column=args.dataset_prompt_column,
+                      chunk=args.local_rollout_forward_batch_size, max_steps=sizes.num_updates,
+                      updates_per_epoch=len(train_dataset) // (sizes.batch_size // args.num_generations))
     # broken reward functions and reward-model templates fail now, not after the models are loaded (the prompts
     # stand in for the completions)
     first_rows = train_dataset[:2]
     first_queries = left_pad(first_rows["input_ids"], tokenizer.pad_token_id)
-    for spec, fn in zip(fn_specs, reward_fns):
-        call_reward_fn(fn, reward_fn_kwargs(tokenizer, first_rows, args.dataset_prompt_column, first_queries), "cpu",
-                       spec)
+    check_reward_fns(rewards, first_rows, first_queries)
     for rm_tokenizer in filter(None, reward_tokenizers):
         reward_model_texts(tokenizer, rm_tokenizer, first_rows[args.dataset_prompt_column], first_queries,
                            first_queries, chat)
@@ -1020,9 +1047,6 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         value_model_path, value_init = value_model_init(value_model_path, reward_model_paths, reward_tokenizers,
                                                         sft_model_path)
         check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
-    rewards = Rewards(names, weights, fn_specs, reward_fns, reward_model_paths, reward_tokenizers, reward_max_lengths,
-                      tokenizer, chat, args.dataset_prompt_column, args.local_rollout_forward_batch_size)
     return accelerator, Setup(
         sizes=sizes, zero3=zero3, run_name=run_name, output_dir=output_dir, checkpoint=checkpoint, saved=saved,
         run_state=run_state, sft_model_path=sft_model_path, sft_adapters=sft_adapters, fresh_adapter=fresh_adapter,
@@ -1566,7 +1590,7 @@ def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[l
         if not roles <= {"system", "user", "assistant", "tool"}:
             raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
                              "assistant, tool)")
-    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL's convention)
+    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12 starts a new turn)
     texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
                                            continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
              for m in prompts]
@@ -1635,9 +1659,11 @@ def value_model_init(value_model_path: str | None, reward_model_paths: list[str]
 
 
 def reward_names(model_paths, fn_specs) -> list[str]:
-    """Names of the reward components: a reward model's folder (or hub name), a function's name; repeats get _2, _3."""
+    """Names of the reward components: a reward model's folder (or hub name), a function's name, `remote` for a URL;
+    repeats get _2, _3."""
     names, seen = [], {}
-    for base in [Path(p.rstrip("/")).name for p in model_paths] + [s.rpartition(":")[2] for s in fn_specs]:
+    for base in [Path(p.rstrip("/")).name for p in model_paths] + [
+            "remote" if "://" in s else s.rpartition(":")[2] for s in fn_specs]:
         seen[base] = seen.get(base, 0) + 1
         names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     return names
@@ -1660,13 +1686,16 @@ def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
 BUILTIN_REWARD_FNS = {"vader": vader_sentiment}  # built when the file loads: define a new one above it
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """A built-in name (`vader`), `module:function` (importable) or `path/to/file.py:function`."""
+def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3) -> Callable:
+    """A built-in name (`vader`), `module:function` (importable), `path/to/file.py:function`, or a served reward's
+    URL."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
+    if spec.startswith(("http://", "https://")):
+        return ServedReward(spec, url_timeout, url_retries)
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
-        raise ValueError(f"--reward-fn {spec!r}: expected `module:function` or `path/to/file.py:function`")
+        raise ValueError(f"--reward-fn {spec!r}: expected `module:function`, `path/to/file.py:function` or a URL")
     try:
         if module_name.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -1678,18 +1707,98 @@ def load_reward_fn(spec: str) -> Callable:
             module = importlib.import_module(module_name)
     except (ImportError, FileNotFoundError) as e:
         raise ValueError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({e})") from e
+    except Exception as e:  # a SyntaxError, NameError... while the file runs
+        raise ValueError(f"--reward-fn {spec!r}: loading {module_name!r} raised {type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn {spec!r}: {module_name!r} has no callable {fn_name!r}")
     return fn
 
 
+class ServedReward:
+    """--reward-fn URL: an async reward function that POSTs a batch's keywords (a function's, `trainer_state` as a
+    dict) as one JSON object and reads back `{"rewards": [one number or null per row]}` or that list alone."""
+
+    def __init__(self, url: str, timeout: float, retries: int, backoff: float = 1.0):
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def post(self, body: bytes):
+        request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+            text = reply.read()
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError(f"{self.url} answered with no JSON: {text[:200]!r}") from None
+
+    async def __call__(self, prompts, completions, completion_ids, trainer_state=None, log_extra=None,
+                       log_metric=None, **columns):
+        body = json.dumps(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                               trainer_state=asdict(trainer_state) if trainer_state else None), default=str).encode()
+        for attempt in range(self.retries + 1):
+            try:
+                reply = await asyncio.to_thread(self.post, body)
+                return reply.get("rewards") if isinstance(reply, dict) else reply
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read()[:200]!r}"
+                if e.code < 500:  # the request itself is wrong: a retry gets the same answer
+                    break
+            except OSError as e:  # no connection, a reset, a timeout
+                error = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff * 2**attempt)
+        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}")
+
+
+@dataclass
+class TrainerState:
+    """TRL's `trainer_state` keyword, ours with transformers' names: global_step counts the updates done (as TRL: an
+    update's rollout is scored at update - 1, the evaluation after it at update), epoch the passes over the prompts."""
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+class RewardLogs:
+    """What reward functions log through TRL's keywords while one batch is scored: `log_extra(column, values)`, one
+    value per row (sample tables and samples.jsonl), and `log_metric(name, value)` (averaged over calls, then
+    processes)."""
+
+    def __init__(self, rows: int, taken=()):
+        self.rows, self.taken, self.columns, self.metrics = rows, set(taken), {}, {}
+
+    def keywords(self) -> dict:
+        def log_extra(column: str, values: list) -> None:
+            values = list(values)
+            if len(values) != self.rows:
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {self.rows} rows")
+            key, n = str(column), 1
+            while key in self.columns or key in self.taken:  # a column logged twice, or a table's own: _2, _3...
+                n += 1
+                key = f"{column}_{n}"
+            self.columns[key] = [v.tolist() if hasattr(v, "tolist") else v for v in values]  # tensors, numpy: JSON
+
+        def log_metric(name: str, value: float) -> None:
+            if not math.isfinite(float(value)):
+                raise ValueError(f"log_metric({name!r}, {value}): not a finite number")
+            self.metrics.setdefault(str(name), []).append(float(value))
+        return dict(log_extra=log_extra, log_metric=log_metric)
+
+
+class RewardComponents(dict):
+    """Each reward's scores by name (NaN: a function's None), and what the functions logged (`RewardLogs`)."""
+
+    def __init__(self, scores: dict, logs: RewardLogs | None = None):
+        super().__init__(scores)
+        self.columns, self.metrics = (logs.columns, logs.metrics) if logs else ({}, {})
+
+
 def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
-    """A reward function's keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset gives
-    them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
-    assistant prefix included, as TRL), `completion_ids` (up to the stop token) and every other column of the rows."""
+    """A reward function's data keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset
+    gives them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
+    assistant prefix included: README), `completion_ids` (up to the stop token) and every other column of the rows."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    prompts = rows[prompt_column]  # TRL also pops a final assistant prefix out of them: here they stay as given
+    prompts = rows[prompt_column]
     completions = [[{"role": "assistant", "content": assistant_prefix(p) + t}] if isinstance(p, list) else t
                    for p, t in zip(prompts, texts)]
     # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
@@ -1698,23 +1807,81 @@ def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch
                 completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in responses], **columns)
 
 
-def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tensor:
-    """Call a reward function with `reward_fn_kwargs` and check it returns, per completion, a finite number or None
-    (the row is not judged: NaN here, see `score_responses`). Each error names the function and its keywords."""
-    called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
+TRAINER_KEYWORDS = ("trainer_state", "log_extra", "log_metric")  # TRL's, beside the data's keywords
+
+
+def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
+    """Call a reward function with `reward_fn_kwargs` (and TRL's trainer keywords, where its signature takes them):
+    (its output, or an async function's coroutine; the keywords, for messages). Errors name the function."""
     try:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):  # a function that never took them still runs
+            kwargs = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS or k in params}
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
-        raise ValueError(f"{called} cannot take them ({e}). Reward functions take keywords, as TRL's GRPOTrainer: "
-                         "def f(completions, **kwargs) -> list[float | None], a dataset column arriving as the "
-                         "keyword of its name, e.g. def accuracy(completions, solution, **kwargs)") from None
+        raise ValueError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, cannot take them ({e}). "
+                         "Reward functions take keywords, as TRL's GRPOTrainer: def f(completions, **kwargs) -> "
+                         "list[float | None], a dataset column arriving as the keyword of its name, e.g. def "
+                         "accuracy(completions, solution, **kwargs)") from None
     except ValueError:  # no signature to read (some builtins): the call itself will tell
         pass
-    out = fn(**copy.deepcopy(kwargs))  # a copy: a function may edit its inputs (TRL's own code pops prompts)
+    data = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS}
+    try:  # a copy: a function may edit its inputs (TRL's own code pops prompts)
+        return fn(**copy.deepcopy(data), **{k: kwargs[k] for k in TRAINER_KEYWORDS if k in kwargs}), kwargs
+    except Exception as e:
+        raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, raised "
+                           f"{type(e).__name__}: {e}") from e
+
+
+_event_loop = None
+
+
+def await_together(coroutines: list) -> list:
+    """Results (or exceptions) of coroutines awaited together (asyncio.gather), as TRL, on one event loop kept for the
+    run in a thread of its own: an async client a function keeps between calls stays on its loop."""
+    global _event_loop
+    if _event_loop is None:
+        _event_loop = asyncio.new_event_loop()
+        threading.Thread(target=_event_loop.run_forever, daemon=True).start()
+
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+    return asyncio.run_coroutine_threadsafe(gather(), _event_loop).result()
+
+
+def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
+    """(fn, kwargs, name) calls in the order given, the async ones' coroutines then awaited together; each checked to
+    return, per completion, a finite number or None (the row is not judged: NaN, see `score_responses`)."""
+    started = []
+    try:
+        started.extend((*start_reward_fn(fn, kwargs, name), name) for fn, kwargs, name in calls)
+    except Exception:  # the async functions started before it will not be awaited
+        for out in (out for out, _, _ in started if inspect.iscoroutine(out)):
+            out.close()
+        raise
+    waiting = [i for i, (out, _, _) in enumerate(started) if inspect.isawaitable(out)]
+    for i, out in zip(waiting, await_together([started[i][0] for i in waiting]) if waiting else []):
+        if isinstance(out, BaseException):
+            _, kwargs, name = started[i]
+            raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, raised "
+                               f"{type(out).__name__}: {out}") from out
+        started[i] = (out, *started[i][1:])
+    return [checked_scores(out, kwargs, device, name) for out, kwargs, name in started]
+
+
+def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tensor:
+    """One reward function's scores (`call_reward_fns`)."""
+    return call_reward_fns([(fn, kwargs, name)], device)[0]
+
+
+def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
+    """A reward function's output as scores, NaN for None; refused unless one finite number or None per completion."""
+    called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
     values, n = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out, len(kwargs["completions"])
     if not isinstance(values, (list, tuple)) or len(values) != n:
         raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a list of {n} numbers "
                          "(or None), one per completion")
+    values = [v.item() if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v for v in values]
     if not all(v is None or isinstance(v, numbers.Real) for v in values):
         bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
         raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number or None per completion")
@@ -1723,6 +1890,37 @@ def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tenso
     if not torch.isfinite(scores[[v is not None for v in values]]).all():
         raise ValueError(f"{called} returned a non-finite score (return None for a row it does not judge): {values}")
     return scores
+
+
+def function_scores(rewards: Rewards, kwargs: dict, device, global_step: int, logs: RewardLogs) -> dict:
+    """Each reward function's scores by name, called with `kwargs` and TRL's trainer keywords, logging into `logs`."""
+    state = TrainerState(global_step, rewards.max_steps, global_step / rewards.updates_per_epoch)
+    trainer = dict(trainer_state=state, **logs.keywords())
+    names = rewards.names[len(rewards.model_paths):]
+    return dict(zip(names, call_reward_fns([(fn, {**kwargs, **trainer}, spec)
+                                            for spec, fn in zip(rewards.fn_specs, rewards.fns)], device)))
+
+
+def check_every_row_judged(components: dict, functions: list[str], prompts: list, when: str = "") -> None:
+    """Refuse a batch with a row that no reward judged (every reward a function, every function's None)."""
+    if len(functions) != len(components):  # a reward model judges every row: its NaN is no None
+        return
+    unjudged = torch.stack([components[n].isnan() for n in functions]).all(0)
+    if unjudged.any():
+        prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
+        raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each row needs a reward "
+                         "that judges it")
+
+
+def check_reward_fns(rewards: Rewards, rows: dict, queries: torch.Tensor) -> None:
+    """Call each reward function once, on `rows` with their rendered prompts standing in for completions, so a broken
+    one fails before any model loads (a paid or stateful judge sees this call)."""
+    if rewards.fns:
+        kwargs = reward_fn_kwargs(rewards.policy_tokenizer, rows, rewards.prompt_column, queries)
+        components = function_scores(rewards, kwargs, "cpu", 0, RewardLogs(len(queries)))
+        if not rewards.model_paths:  # a reward model judges every row
+            check_every_row_judged(components, list(components), rows[rewards.prompt_column],
+                                   " at start-up (the prompts standing in for completions)")
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
@@ -1746,9 +1944,11 @@ def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length:
     return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
 
 
-def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict):
-    """(weighted sum of every reward, each reward's own scores by name) of truncated responses to `rows`. A function's
-    None (NaN in its scores) adds 0 to the sum, as TRL's nansum; a row that no reward judges is refused."""
+def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
+                    global_step: int = 0):
+    """(weighted sum of every reward, each reward's own scores by name: `RewardComponents`) of truncated responses to
+    `rows`. A function's None (NaN in its scores) adds 0 to the sum, as TRL's nansum; a row that no reward judges is
+    refused. `global_step`: TRL's `trainer_state.global_step`."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1764,18 +1964,14 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
             components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
                                                              not rewards.chat, queries.device)
                                           for i in range(0, len(texts), chunk)])
+    logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
     if rewards.fns:
         kwargs = reward_fn_kwargs(rewards.policy_tokenizer, rows, rewards.prompt_column, responses)
-        for name, spec, fn in zip(rewards.names[len(rewards.models):], rewards.fn_specs, rewards.fns):
-            components[name] = call_reward_fn(fn, kwargs, queries.device, spec)
-    functions = rewards.names[len(rewards.models):]  # a reward model judges every row: its NaN is no None
-    unjudged = torch.stack([components[n].isnan() for n in functions]).all(0) if not rewards.models else None
-    if unjudged is not None and unjudged.any():
-        prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
-        raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}: each row needs a reward that "
-                         "judges it")
+        components.update(function_scores(rewards, kwargs, queries.device, global_step, logs))
+    functions = rewards.names[len(rewards.model_paths):]
+    check_every_row_judged(components, functions, prompts)
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
-               for n, w in zip(rewards.names, rewards.weights)), components
+               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs)
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
@@ -1889,25 +2085,26 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         responses, logprobs = models.forwards.sample(accelerator, models.model, eval_queries, args, setup.zero3,
                                                      pad_token_id, setup.stop_token_id, generator)
         held_out = setup.eval_rows[:]
-        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out)
+        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
         ref_logprobs, _, full_kl_per_token = models.forwards.score(
             models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
             eval_queries.size(1), args, pad_token_id, with_values=False)
         padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
         kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
-    if accelerator.is_main_process:  # a reward's None stays None in the rows
+    if accelerator.is_main_process:  # a reward's None stays None in the rows; then the functions' log_extra columns
         rows = [{"prompt": prompt_text(p), "model response": r, "score": s,
-                 **{n: None if math.isnan(v) else v for n, v in zip(components, c)}}
-                for p, r, s, c in zip(held_out[args.dataset_prompt_column],
-                                      [tokenizer.decode(r[r != pad_token_id]) for r in responses], scores.tolist(),
-                                      torch.stack(list(components.values()), 1).tolist())]
+                 **{n: None if math.isnan(v) else v for n, v in zip(components, c)},
+                 **{column: values[i] for column, values in components.columns.items()}}
+                for i, (p, r, s, c) in enumerate(zip(
+                    held_out[args.dataset_prompt_column], [tokenizer.decode(r[r != pad_token_id]) for r in responses],
+                    scores.tolist(), torch.stack(list(components.values()), 1).tolist()))]
         table = Table(*rows[0], title=f"held-out samples after update {update}", show_lines=True)
         for row in rows[:5]:
             table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
         console.print(table)
         with open(setup.output_dir / "samples.jsonl", "a") as f:  # every row, the rendered query, each reward's score
-            f.writelines(json.dumps({"update": update, "query": q, **row}) + "\n" for q, row in zip(
+            f.writelines(json.dumps({"update": update, "query": q, **row}, default=str) + "\n" for q, row in zip(
                 tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
         if args.track:
             import wandb

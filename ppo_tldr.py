@@ -12,6 +12,7 @@ import random
 import shutil
 import socket
 import time
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -570,13 +571,24 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
 
 def reward_means(components: dict, prefix: str, total: Callable) -> dict:
     """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
-    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`."""
+    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`; what functions logged with
+    `log_metric`, averaged over processes, as `{prefix}/reward_fn/<name>`."""
     if not components:  # ppo_tldr.py's one reward model: objective/scores says it all
         return {}
+    logged = getattr(components, "metrics", {})
+    names, device = sorted(logged), next(iter(components.values())).device
+    tag = float(zlib.crc32(repr(names).encode()) % 4096)  # the same on every process (sums exact in float32)
     sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
-                              for c in components.values()]))
+                              for c in components.values()] + [torch.tensor([tag, 1.0, 0.0], device=device)]))
+    if sums[-1, 0] != tag * sums[-1, 1]:
+        raise ValueError(f"log_metric: reward functions logged other metric names on other processes (here {names}); "
+                         "log each name on every process, as TRL requires")
     means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
              if none < size}
+    if names:
+        logged_sums = total(torch.tensor([[sum(logged[n]) / len(logged[n]), 1.0] for n in names],
+                                          dtype=torch.float64, device=device))
+        means.update({f"{prefix}/reward_fn/{n}": (s / count).item() for n, (s, count) in zip(names, logged_sums)})
     return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
                         zip(components, sums) if none > 0}}
 

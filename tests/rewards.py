@@ -68,3 +68,31 @@ def accuracy(completions, solution, **kwargs):
     """Written for TRL's GRPOTrainer (the shape of open-r1's accuracy_reward): 1.0 where the completion names the row's
     `solution` column, else 0.0."""
     return [float(sol in text(c).split()) for c, sol in zip(completions, solution)]
+
+
+async def served_by_env(prompts, completions, **kwargs):
+    """An async function written as an LLM judge is (issue #49): it awaits the reward server at $REWARD_URL."""
+    import asyncio
+    import json
+    import os
+    import urllib.request
+
+    def post():
+        request = urllib.request.Request(os.environ["REWARD_URL"], json.dumps(dict(
+            prompts=prompts, completions=completions)).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.loads(reply.read())["rewards"]
+    return await asyncio.to_thread(post)
+
+
+def progress(completions, trainer_state, log_extra, log_metric, **kwargs):
+    """TRL's trainer keywords (issue #49): logs the run's progress as a metric and trainer_state as columns; scores
+    as target_word_fraction."""
+    log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+    log_extra("global_step", [trainer_state.global_step] * len(completions))
+    log_extra("epoch", [trainer_state.epoch] * len(completions))
+    return target_word_fraction(completions)
+
+
+def raises_inside(completions, **kwargs):
+    return [1 / 0 for _ in completions]

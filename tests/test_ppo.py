@@ -510,7 +510,7 @@ def test_vader_reward_is_sentiment_of_what_the_policy_wrote():
     good, bad, neutral = vader(prompts=["", "", ""], completions=["I love this movie, it was wonderful!",
                                                                   "This film was terrible and boring.", "w3 w4"])
     assert good > 0.5 and bad < -0.5 and neutral == 0.0
-    # a chat completion continues its prompt's assistant prefix (TRL's form): only the continuation is scored
+    # a chat completion continues its prompt's assistant prefix (README): only the continuation is scored
     prompt = [{"role": "user", "content": "Continue."}, {"role": "assistant", "content": "A terrible, awful film"}]
     scores = vader(prompts=[prompt, prompt[:1]], completions=[
         [{"role": "assistant", "content": "A terrible, awful film, and yet I loved it"}],

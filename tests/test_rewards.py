@@ -293,9 +293,10 @@ def bad_assets(chat, assets, tmp_path_factory):
     (dict(reward_model_path="RM_OTHER", reward_weights=(1.0,)), "1 weight(s) for 2 reward(s)"),
     (dict(reward_weights=(1.0, 2.0)), "2 weight(s) for 1 reward(s)"),
     (dict(reward_fn="tests/rewards.py:wrong_length"), "--reward-fn tests/rewards.py:wrong_length, called with the "
-     "keywords prompts, completions, completion_ids, returned list [0.0, 0.0, 0.0]; expected a list of 2 numbers"),
+     "keywords prompts, completions, completion_ids, trainer_state, log_extra, log_metric, returned list [0.0, 0.0, "
+     "0.0]; expected a list of 2 numbers"),
     (dict(reward_fn="tests/rewards.py:not_numbers"), "tests/rewards.py:not_numbers, called with the keywords prompts, "
-     "completions, completion_ids, returned '1.0' (str)"),
+     "completions, completion_ids, trainer_state, log_extra, log_metric, returned '1.0' (str)"),
     (dict(reward_fn="tests/rewards.py:not_finite"), "returned a non-finite score"),
     (dict(reward_fn="tests/rewards.py:positional"), "def f(completions, **kwargs)"),
     (dict(dataset_name="CLASH"), "column(s) ['completions'] would collide"),
