@@ -1,4 +1,4 @@
-"""What scoring with a reward model that has its own tokenizer costs, against the token path (issue #11).
+"""What scoring with a reward model that has its own tokenizer costs, against the token path.
 
 SmolLM2-135M-Instruct (the default policy, converted into cache/ by a first `python ppo.py`) serves as the policy and,
 with a fresh scalar head, as the reward model. The token path reads the policy's ids; the text path decodes the

@@ -5,7 +5,7 @@
 Each policy, and the initial one (--initial), runs ppo.py at --learning-rate 0, which leaves it unchanged: its
 evaluation before the first update and one after each of the next --evaluations - 1 updates each sample one response
 per held-out prompt, with the generator seeded by --seed + update. The default, 2 evaluations of the default's 256
-held-out prompts, re-scores on 512 responses (#29 item 5). Every policy sees the same prompts and seeds, so a gain is
+held-out prompts, re-scores on 512 responses. Every policy sees the same prompts and seeds, so a gain is
 the mean over prompts of (policy - initial), each averaged over its responses, with that mean's standard error. The
 table adds the run's largest objective/kl and the share of re-scored responses in assistant talk (plot_runs.DRIFT).
 Flags after `--` go to every ppo.py run, e.g. a run's task: `-- --dataset-name cache/arithmetic.jsonl --reward-fn

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the workload (issue #7)
+# the workload
 VOCAB = 49152  # SmolLM2's tokenizer
 NUM_PROMPTS, MIN_WORDS, MAX_WORDS = 256, 30, 48
 MODEL_SHAPE = dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, intermediate_size=512, rotary_pct=0.25,

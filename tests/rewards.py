@@ -71,7 +71,7 @@ def accuracy(completions, solution, **kwargs):
 
 
 async def served_by_env(prompts, completions, **kwargs):
-    """An async function written as an LLM judge is (issue #49): it awaits the reward server at $REWARD_URL."""
+    """An async function written as an LLM judge is: it awaits the reward server at $REWARD_URL."""
     import asyncio
     import json
     import os
@@ -86,7 +86,7 @@ async def served_by_env(prompts, completions, **kwargs):
 
 
 def progress(completions, trainer_state, log_extra, log_metric, **kwargs):
-    """TRL's trainer keywords (issue #49): logs the run's progress as a metric and trainer_state as columns; scores
+    """TRL's trainer keywords: logs the run's progress as a metric and trainer_state as columns; scores
     as target_word_fraction."""
     log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
     log_extra("global_step", [trainer_state.global_step] * len(completions))

@@ -382,7 +382,7 @@ def test_head_logprobs(n, hidden, vocab, pad, chunk, temperature):
 def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk, uses):
     """Gradients of sum_i c_i logprob_i + e_i entropy_i against a loop: d logprob_i / d logit_ij = (1[j = token_i] -
     p_ij) / T and d entropy_i / d logit_ij = -p_ij (log p_ij + entropy_i) / T, zero in the pad column (its logit is a
-    constant), chained through logit_ij = h_i . w_j. A loss may use either output alone (an entropy bonus, #28)."""
+    constant), chained through logit_ij = h_i . w_j. A loss may use either output alone (an entropy bonus)."""
     temperature = 0.7
     h = randn((n, hidden), seed=n + 1).requires_grad_()
     w = randn((vocab, hidden), seed=vocab + 1).requires_grad_()

@@ -1,4 +1,4 @@
-"""Any prompt, any reward (issue #11): chat-format prompts, reward models with their own tokenizer, several rewards
+"""Any prompt, any reward: chat-format prompts, reward models with their own tokenizer, several rewards
 combined with weights, and the value initialisation that follows from them. Tiny offline models (see conftest.py)."""
 import json
 import random
@@ -322,7 +322,7 @@ def test_bad_reward_or_prompt_input_is_refused(chat, assets, bad_assets, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reward functions written for TRL (issue #27): keywords, the dataset's columns, None for a row not judged
+# reward functions written for TRL: keywords, the dataset's columns, None for a row not judged
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trl_fn_runs(chat, assets, tmp_path_factory):

@@ -1,4 +1,4 @@
-"""Reward functions as TRL 1.12's GRPOTrainer calls them (issue #49): its trainer keywords (`trainer_state`,
+"""Reward functions as TRL 1.12's GRPOTrainer calls them: its trainer keywords (`trainer_state`,
 `log_extra`, `log_metric`), async functions awaited together, a reward served over HTTP (127.0.0.1 only), and TRL's
 own `accuracy_reward` (tests/trl_1_12, unchanged) in a run."""
 import asyncio
