@@ -1977,7 +1977,8 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
 class Forwards:
     """The seam between `main` and the models: the forwards its phases run. Here the plain computation (what
-    --no-fast-paths runs); `SpeedLayer`, the file's last section, overrides each method with exact shortcuts."""
+    --no-fast-paths runs); `SpeedLayer`, the file's last section, overrides each method with exact shortcuts. They read
+    the temperature from `args`, as `evaluate` does: a schedule assigns `args.temperature` at the top of the update."""
 
     def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
         """Phase 1: (responses cut after the stop token, their log-probs)."""
