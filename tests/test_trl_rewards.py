@@ -298,7 +298,7 @@ def served_run(chat, tmp_path_factory):  # noqa: F811
             fns = [url, "trl_1_12.rewards.accuracy_rewards:accuracy_reward", "tests/rewards.py:served_by_env",
                    "tests/rewards.py:progress"]
             proc, _ = run_ppo(["--sft-model-path", str(chat["sft"]), "--reward-fn", *fns, "--dataset-name",
-                               str(data), *TINY, "--eval-samples", "8"], root / "run")
+                               str(data), *TINY, "--eval-samples", "8", "--reward-url-timeout", "120"], root / "run")
     finally:
         server.terminate()
         server.wait(30)
