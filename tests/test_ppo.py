@@ -770,7 +770,7 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     """What README's editing table tells a copier: delete the speed layer (the file's last section), its two flags,
     and build the plain `Forwards` in `load_models`; the rest runs, and trains as --no-fast-paths does."""
     source = (ROOT / "ppo.py").read_text()
-    start, end = source.index("# ---- The speed layer"), source.index('if __name__ == "__main__":')
+    start, end = source.index("# ---- The speed layer"), source.rindex('if __name__ == "__main__":')
     flags = source.index("    fast_paths: bool = True"), source.index("    def __post_init__(self):")
     lean = source[:flags[0]] + source[flags[1]:start] + source[end:]
     line = ("    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else "

@@ -566,3 +566,18 @@ def test_zero2_bf16_two_processes(tldr, tmp_path):
                      config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert abs(rows[0]["objective/kl"]) < 1e-3
+
+
+def test_the_folder_and_resume_rules_hold_for_ppo_tldr_too(tmp_path):
+    """ppo_tldr.py shares ppo.py's folder and resume rules (tests/test_faults.py runs them): another run's folder is
+    refused before anything loads, --overwrite and --peer-timeout pass the flag checks, and a misspelled
+    --resume-with-changes is refused by name."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    with pytest.raises(ValueError, match="holds another run"):
+        ppo_tldr.set_up(ppo_tldr.Args(output_dir=str(out)))
+    assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n'
+    ppo_tldr.check_args(ppo_tldr.Args(overwrite=True, peer_timeout=5.0))
+    with pytest.raises(ValueError, match="--resume-with-changes learning_ratee: no such flag"):
+        ppo_tldr.check_args(ppo_tldr.Args(resume_with_changes=("learning-ratee",)))
