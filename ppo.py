@@ -1029,8 +1029,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                              "learning rate would not continue")
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, fns=reward_fns,
-                      model_paths=reward_model_paths, tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
-                      chat=chat, prompt_column=args.dataset_prompt_column,
+                      model_paths=reward_model_paths, tokenizers=reward_tokenizers, max_lengths=reward_max_lengths,
+                      policy_tokenizer=tokenizer, chat=chat, prompt_column=args.dataset_prompt_column,
                       chunk=args.local_rollout_forward_batch_size, max_steps=sizes.num_updates,
                       updates_per_epoch=len(train_dataset) // (sizes.batch_size // args.num_generations))
     # broken reward functions and reward-model templates fail now, not after the models are loaded (the prompts
@@ -1134,6 +1134,21 @@ class PolicyAndValueWrapper(nn.Module):
         return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
 
 
+def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
+    """One sampling step from the last position's logits: (token (rows, 1), its log-prob, the rows finished so far,
+    whether all are, on every ZeRO-3 process when `synced`)."""
+    logits = scale_logits(logits, temperature, pad_token_id)
+    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    if stop_token_id is not None:
+        finished = finished | (token.squeeze(-1) == stop_token_id)
+    done = finished.all()
+    if synced:
+        done = done.float()
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, bool(done)
+
+
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
@@ -1146,17 +1161,10 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
-        logits = scale_logits(out.logits[:, -1], temperature, pad_token_id)
-        uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-        token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
         tokens.append(token)
-        logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
-        if stop_token_id is not None:
-            finished |= token.squeeze(-1) == stop_token_id
-        done = finished.all()
-        if synced:
-            done = done.float()
-            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        logprobs.append(logprob)
         if step == response_length - 1 or done:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
@@ -2968,18 +2976,11 @@ def fast_generate(policy, queries, pad_token_id, response_length, temperature, s
     tokens, logprobs, logits = [], [], out.logits[:, -1]
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
-        logits = scale_logits(logits, temperature, pad_token_id)
-        uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-        token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+        token, logprob, finished, done = sample_next(logits, temperature, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
         tokens.append(token)
-        logprobs.append(logprobs_from_logits(logits, token.squeeze(-1)))
-        if stop_token_id is not None:
-            finished |= token.squeeze(-1) == stop_token_id
-        done = finished.all()
-        if synced:
-            done = done.float()
-            torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-        last = step == response_length - 1 or bool(done)
+        logprobs.append(logprob)
+        last = step == response_length - 1 or done
         if last and not feed_last:
             break
         if step_model is not None:
