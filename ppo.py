@@ -259,6 +259,8 @@ def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int,
     Seeded by seed + pass alone: a second prompt source of the same size, drawn with the same seed, would follow the
     same order, so give it its own (e.g. seed + 1_000_003)."""
     per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    if num_prompts < per_update:
+        raise ValueError(f"{num_prompts} prompts: fewer than the {per_update} one update samples")
     epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * per_update + rank * per_rank
@@ -510,9 +512,9 @@ def main(args: Args) -> None:
         episode = update * sizes.batch_size
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
-        for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
-            group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
-        lr = anneal * args.learning_rate
+        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
+            group["lr"] = anneal * group["initial_lr"]
+        lr = optimizer.param_groups[0]["lr"]  # the policy's
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
                                   args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
@@ -584,7 +586,7 @@ def main(args: Args) -> None:
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         new_logprobs, entropy, vpred = forwards.train(model, mbi, query_responses, pad_token_id,
-                                                                      context_length, response_ids, args.temperature)
+                                                                      context_length, response_ids, args)
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
@@ -1221,11 +1223,10 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
             enable_gradient_checkpointing(m)
     forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else Forwards()
     model = PolicyAndValueWrapper(policy, value_model, value_head)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0, fused=True)
-    for group in optimizer.param_groups:  # where main's linear anneal starts each group (a second one keeps its own)
-        group["initial_lr"] = group["lr"]
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
+    value = value_head if value_model is None else value_model
+    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value), eps=1e-5,
+                                  weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     if setup.zero3:  # the frozen models sharded too, in the trained models' precision
         for m in frozen_models:
@@ -1236,6 +1237,14 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
             m.to(dtype)
     forwards.probe_sampling(args, accelerator, setup, policy)  # on the prepared policy, in the run's precision
     return Models(model, optimizer, policy, ref_policy, value_model, value_head, forwards)
+
+
+def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
+    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from. A critic lr
+    or a critic warm-up (the policy's lr 0 for some updates) edits one group: a value-only loss would still train a
+    shared trunk."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
@@ -1997,14 +2006,14 @@ class Forwards:
         return reference_and_values(models, query_responses, response_ids, context_length, args, pad_token_id,
                                     with_values)
 
-    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, args):
         """Phase 6: (log-probs, entropies, values) of these rows of the rollout, with gradients."""
-        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], temperature)
+        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], args.temperature)
 
-    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, args):
         """The policy's log-probs of these rows of the rollout (the --ratio-threshold guard)."""
         return response_logprobs(policy, query_responses[rows], pad_token_id, context_length, response_ids[rows],
-                                 temperature)[0]
+                                 args.temperature)[0]
 
     def probe_sampling(self, args, accelerator, setup, policy):
         """The plain path has nothing to probe."""
@@ -2077,7 +2086,7 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
             new = models.forwards.logprobs(models.policy, mbi, query_responses, pad_token_id, context_length,
-                                           response_ids, args.temperature)
+                                           response_ids, args)
             real = ~padding_mask[mbi]
             total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
@@ -2625,13 +2634,13 @@ class SpeedLayer(Forwards):
         values = torch.cat(values) if with_values else None
         return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
 
-    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
-        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], temperature,
+    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, args):
+        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], args.temperature,
                      self.update.rows(rows))
 
-    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, temperature):
+    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, args):
         return self.update.rows(rows).response_logprobs(policy, query_responses[rows], pad_token_id, context_length,
-                                                        response_ids[rows], temperature)[0]
+                                                        response_ids[rows], args.temperature)[0]
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,8 @@ def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int,
     Seeded by seed + pass alone: a second prompt source of the same size, drawn with the same seed, would follow the
     same order, so give it its own (e.g. seed + 1_000_003)."""
     per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    if num_prompts < per_update:
+        raise ValueError(f"{num_prompts} prompts: fewer than the {per_update} one update samples")
     epoch, batch = divmod(update - 1, num_prompts // per_update)
     permutation = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
     start = batch * per_update + rank * per_rank

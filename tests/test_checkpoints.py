@@ -33,6 +33,11 @@ def test_rollout_indices_shard_each_pass_over_the_data():
         num_prompts, sizes, 1, 8, 0).tolist()
 
 
+def test_rollout_indices_name_a_source_smaller_than_an_update():
+    with pytest.raises(ValueError, match="11 prompts: fewer than the 12 one update samples"):
+        ppo.rollout_indices(11, ppo.batch_sizes(2, 1, 2, 3, 10_000), 1, 7, 0)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_rollout_indices_sample_each_prompt_k_times_in_a_row(k):
     """--num-generations k: a process's responses are whole groups of one prompt each; a pass over the data samples

@@ -224,6 +224,26 @@ def test_gradient_clipping_is_applied(assets, tmp_path):
     assert max_change(tmp_path / "clipped") < 1e-8 < 1e-4 < max_change(tmp_path / "free")
 
 
+def test_param_groups_let_a_critic_warm_up_leave_a_shared_trunk_alone(assets):
+    """One named AdamW group per trained module (frozen weights in none): with the policy group's lr at 0, a step
+    trains the value head on the policy's trunk and leaves the trunk and the policy where they were."""
+    policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
+    ppo.freeze_bottom_layers(policy, 1)
+    head = torch.nn.Linear(policy.config.hidden_size, 1)  # not zero, as a head some updates in: it passes gradients
+    groups = ppo.param_groups(3e-3, policy=policy, value=head, frozen=torch.nn.Linear(2, 2).requires_grad_(False))
+    assert [g["name"] for g in groups] == ["policy", "value"] and all(g["initial_lr"] == 3e-3 for g in groups)
+    assert {id(p) for p in groups[0]["params"]} == {id(p) for p in policy.parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(groups, eps=1e-5, weight_decay=0.0)
+    optimizer.param_groups[0]["lr"] = 0.0  # a critic warm-up, in main's lr loop
+    before, head_before = {k: v.clone() for k, v in policy.state_dict().items()}, head.weight.clone()
+    hidden = policy(input_ids=torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states[-1]
+    (head(hidden).squeeze(-1) - 1.0).pow(2).mean().backward()  # a value loss through the shared trunk
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])  # the trunk has gradients
+    optimizer.step()
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    assert not torch.equal(head.weight, head_before)
+
+
 def test_llama_in_vocab_pad_and_stop_token_id(tmp_path, assets):
     """Llama (tied embeddings) with a tokenizer whose pad id lies inside the model vocabulary, a stop id, a value
     model initialised explicitly from the SFT policy, and a named configuration of a local dataset directory."""
