@@ -1,0 +1,47 @@
+"""The project's floors, so that a change that breaks one fails here rather than in a reviewer's count: `main` at most
+200 lines and its update loop at most 150, prose (full-line comments and docstrings) at most 15% of each script's
+lines, the README at most 320 lines and benchmarks/README.md at most 300."""
+import ast
+import io
+import tokenize
+
+import pytest
+
+from conftest import ROOT
+
+
+def main_and_loop_lines(source: str) -> tuple[int, int]:
+    main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", None) == "update")
+    return main.end_lineno - main.lineno + 1, loop.end_lineno - loop.lineno + 1
+
+
+def prose_share(source: str) -> float:
+    lines, prose = source.splitlines(), set()
+    for node in ast.walk(ast.parse(source)):  # docstrings, Args' field docstrings included
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            prose.update(range(node.lineno, node.end_lineno + 1))
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and lines[token.start[0] - 1].lstrip().startswith("#"):
+            prose.add(token.start[0])
+    return len(prose) / len(lines)
+
+
+def test_the_measures_count_what_they_say():
+    source = '"""A module."""\n# why\n\n\ndef main(args):\n    x = 1  # not a full-line comment\n' + \
+             "    for update in range(3):\n        y = 2\n        z = 3\n    return x\n"
+    assert main_and_loop_lines(source) == (6, 3)
+    assert prose_share(source) == 2 / 10
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_main_its_loop_and_prose_stay_within_the_floors(script):
+    source = (ROOT / script).read_text()
+    main, loop = main_and_loop_lines(source)
+    assert main <= 200 and loop <= 150, f"{script}: main {main} lines (at most 200), its update loop {loop} (150)"
+    assert prose_share(source) <= 0.15, f"{script}: prose is {prose_share(source):.1%} of the lines (at most 15%)"
+
+
+@pytest.mark.parametrize("document, most", [("README.md", 320), ("benchmarks/README.md", 300)])
+def test_documents_stay_within_their_length(document, most):
+    assert len((ROOT / document).read_text().splitlines()) <= most
