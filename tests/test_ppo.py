@@ -793,6 +793,8 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     start, end = source.index("# ---- The speed layer"), source.rindex('if __name__ == "__main__":')
     flags = source.index("    fast_paths: bool = True"), source.index("    def __post_init__(self):")
     lean = source[:flags[0]] + source[flags[1]:start] + source[end:]
+    section = source[start:end].count("\n")
+    assert f"delete that section ({section} lines)" in (ROOT / "README.md").read_text(), "the README's count is stale"
     line = ("    forwards = SpeedLayer(args, setup, policy, value_model, value_head) if args.fast_paths else "
             "Forwards()\n")
     assert lean.count(line) == 1 and "    sampler: " in source[flags[0]:flags[1]]
