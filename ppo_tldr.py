@@ -395,9 +395,9 @@ def main(args: Args) -> None:
         episode = update * sizes.batch_size
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
-        for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
-            group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
-        lr = anneal * args.learning_rate
+        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
+            group["lr"] = anneal * group["initial_lr"]
+        lr = optimizer.param_groups[0]["lr"]  # the policy's
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
         queries = left_pad(setup.train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
@@ -1059,11 +1059,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0, fused=True)
-    for group in optimizer.param_groups:  # where main's linear anneal starts each group (a second one keeps its own)
-        group["initial_lr"] = group["lr"]
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
+    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value_model), eps=1e-5,
+                                  weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     if setup.zero3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):
@@ -1074,6 +1072,13 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
             m.to(dtype)
     return Models(model, optimizer, policy, ref_policy, value_model, reward_model)
 
+
+def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
+    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from. A critic lr
+    or a critic warm-up (the policy's lr 0 for some updates) edits one group: a value-only loss would still train a
+    shared trunk."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
