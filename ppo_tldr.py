@@ -365,49 +365,50 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 # ---- main: the PPO loop, phase by phase; the plumbing it calls follows it, section by section ------------------------
 def main(args: Args) -> None:
     # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
-    setup = set_up(args)
-    model, optimizer, ref_policy, reward_model = load_models(args, setup)
-    accelerator, sizes, tokenizer, train_dataset = setup.accelerator, setup.sizes, setup.tokenizer, setup.train_dataset
-    device, pad_token_id, eos_token_id = accelerator.device, tokenizer.pad_token_id, tokenizer.eos_token_id
-    zero3, console = setup.zero_stage == 3, Console()
+    accelerator, setup = set_up(args)
+    models = load_models(args, accelerator, setup)
+    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
+    device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
+    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
+    console = Console()
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
+    start_update = 1
     if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
         accelerator.load_state(str(setup.checkpoint))
+        start_update = setup.saved["update"] + 1
         if accelerator.is_main_process:
-            console.print(f"resumed from {setup.checkpoint}: continuing at update {setup.start_update}")
-    run_log = RunLog(args, setup, console)
+            console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")
+    run_log = RunLog(args, accelerator, setup, start_update, console)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
         print_banner(console, setup.run_name, args, sizes, {
-            "policy": unwrapped.policy, "reference": ref_policy, "value model": unwrapped.value_model,
-            "reward model": reward_model}, setup.zero_stage,
-            [f"score bias (N+ detail 14): reward model {score_bias(reward_model.config):.4g}, value model "
-             f"{score_bias(unwrapped.value_model.config):.4g}", *resume_lines(setup)])
-    chunk = args.local_rollout_forward_batch_size
-    held_out = held_out_posts(accelerator, setup.eval_dataset, tokenizer, reward_model, chunk)
+            "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
+            "reward model": models.reward_model},
+            accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
+            [f"score bias (N+ detail 14): reward model {score_bias(models.reward_model.config):.4g}, value model "
+             f"{score_bias(models.value_model.config):.4g}", *resume_lines(setup)])
     checkpoints = setup.output_dir / "checkpoints"
-    start_update, start_time = setup.start_update, time.time()
+    start_time = time.time()
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
-        for group in optimizer.param_groups:  # each from its own starting lr (`load_models`; older checkpoints lack it)
-            group["lr"] = anneal * group.get("initial_lr", args.learning_rate)
-        lr = anneal * args.learning_rate
-        indices = rollout_indices(len(train_dataset), sizes, update, args.seed, accelerator.process_index)
-        queries = left_pad(train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
+        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
+            group["lr"] = anneal * group["initial_lr"]
+        lr = optimizer.param_groups[0]["lr"]  # the policy's
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
+        queries = left_pad(setup.train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after eos (N+ 21)
-            responses, logprobs = sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
-                                                   setup.stop_token_id)
+            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                   stop_token_id)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
@@ -415,13 +416,13 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values
-            ref_logprobs, values = reference_and_values(ref_policy, accelerator.unwrap_model(model).value_model,
-                                                        query_responses, response_ids, context_length, args,
+            ref_logprobs, values = reference_and_values(models, query_responses, response_ids, context_length, args,
                                                         pad_token_id)
             # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
-            scores = score_responses(reward_model, queries, responses, pad_token_id, chunk)
+            scores = score_responses(models.reward_model, queries, responses, pad_token_id,
+                                     args.local_rollout_forward_batch_size)
             time_scoring = time.perf_counter() - timer - time_generation
-            contain_eos_token = (responses == eos_token_id).any(-1)  # on the truncated responses
+            contain_eos_token = (responses == setup.tokenizer.eos_token_id).any(-1)  # on the truncated responses
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
 
@@ -502,23 +503,22 @@ def main(args: Args) -> None:
             "episode": episode,
         })
         if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(args, setup, model, reward_model, held_out, update, console))
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
 
         # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
         if update == sizes.num_updates:
-            save_models(accelerator, model, setup.output_dir, console)
+            save_models(accelerator, model, args, setup, console)
         if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
-        del query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns, \
-            rollout
+        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
+             rollout)
     run_log.close()
-
-    # 10. Every process leaves together (one exiting while gloo/NCCL threads run can abort)
+    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
@@ -664,23 +664,22 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
 @dataclass
 class Setup:
     """What `set_up` resolved and checked before any model loads (TL;DR's fields)."""
-    accelerator: Accelerator
     sizes: BatchSizes
-    zero_stage: int
+    zero3: bool
     run_name: str
     output_dir: Path
     checkpoint: Path | None
+    saved: dict | None  # the checkpoint's trainer_state.json
     run_state: dict
-    start_update: int
     tokenizer: object
     stop_token_id: int | None
     train_dataset: Dataset
-    eval_dataset: Dataset
+    eval_rows: Dataset  # this process's held-out posts, with their `index` among all of them
     resume_notes: list[str] = field(default_factory=list)  # checkpoints passed over as damaged
     resume_changes: dict = field(default_factory=dict)  # flags changed since the run began: name -> [then, now]
 
 
-def set_up(args: Args) -> Setup:
+def set_up(args: Args) -> tuple[Accelerator, Setup]:
     """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
     check_args(args)
     # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
@@ -697,11 +696,11 @@ def set_up(args: Args) -> Setup:
                          f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
                          f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
                          "the config and set the flag")
-    zero_stage = ds_plugin.zero_stage if ds_plugin is not None else 0
+    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
     if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
         ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
         ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    if zero_stage == 3:  # the final save consolidates the shards into one loadable checkpoint
+    if zero3:  # the final save consolidates the shards into one loadable checkpoint
         ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
@@ -742,7 +741,7 @@ def set_up(args: Args) -> Setup:
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
-    start_update = 1
+    saved = None
     if checkpoint is not None:  # the checkpoint's run must have had the same settings
         saved = json.loads((checkpoint / "trainer_state.json").read_text())
         changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k, v) != v}
@@ -750,12 +749,25 @@ def set_up(args: Args) -> Setup:
             raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
                              "with the original flags and number of processes, or the data order, random streams and "
                              "learning rate would not continue")
-        start_update = saved["update"] + 1
+    remote = dict(trust_remote_code=args.trust_remote_code)
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
+    check_scalar_model(args.value_model_path or args.reward_model_path, "value model", require_head=False, **remote)
+    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
+    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
+    longest = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
+    if max_positions is not None and args.max_query_length + longest > max_positions:
+        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
+                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
+                         "--max-query-length or --response-length")
+    # every world_size-th held-out post, wrapping (ZeRO-3 needs every process); `evaluate` keeps one row per index
+    n, world = len(eval_dataset), accelerator.num_processes
+    eval_rows = eval_dataset.add_column("index", list(range(n))).select(
+        [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)])
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    return Setup(accelerator=accelerator, sizes=sizes, zero_stage=zero_stage, run_name=run_name, output_dir=output_dir,
-                 checkpoint=checkpoint, run_state=run_state, start_update=start_update, tokenizer=tokenizer,
-                 stop_token_id=stop_token_id, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                 resume_notes=resume_notes, resume_changes=changes)
+    return accelerator, Setup(
+        sizes=sizes, zero3=zero3, run_name=run_name, output_dir=output_dir, checkpoint=checkpoint, saved=saved,
+        run_state=run_state, tokenizer=tokenizer, stop_token_id=stop_token_id, train_dataset=train_dataset,
+        eval_rows=eval_rows, resume_notes=resume_notes, resume_changes=changes)
 
 
 # ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
@@ -1019,24 +1031,25 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
 
 
-def load_models(args: Args, setup: Setup):
+@dataclass
+class Models:
+    """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: nn.Module
+    ref_policy: nn.Module
+    value_model: nn.Module
+    reward_model: nn.Module
+
+
+def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
-    accelerator, remote = setup.accelerator, dict(trust_remote_code=args.trust_remote_code)
-    value_model_path = args.value_model_path or args.reward_model_path
-    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(value_model_path, "value model", require_head=False, **remote)
-    configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
-    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
-    longest = max(args.response_length, max(len(ids) for ids in setup.eval_dataset["reference_ids"]))
-    if max_positions is not None and args.max_query_length + longest > max_positions:
-        raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
-                         f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
-                         "--max-query-length or --response-length")
-    kwargs = dict(remote, dtype=args.dtype)  # transformers 5's default "auto" would train a bf16 save in bf16
+    # transformers 5's default dtype "auto" would train a bf16 save in bf16
+    kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        value_model_path, num_labels=1, output_loading_info=True, **kwargs)
+        args.value_model_path or args.reward_model_path, num_labels=1, output_loading_info=True, **kwargs)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
         # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
         with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
@@ -1048,20 +1061,26 @@ def load_models(args: Args, setup: Setup):
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0, fused=True)
-    for group in optimizer.param_groups:  # where main's linear anneal starts each group (a second one keeps its own)
-        group["initial_lr"] = group["lr"]
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
+    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value_model), eps=1e-5,
+                                  weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if setup.zero_stage == 3:  # the frozen models sharded too (N+ detail 31)
+    if setup.zero3:  # the frozen models sharded too (N+ detail 31)
         for m in (ref_policy, reward_model):
             shard_frozen(m, accelerator.deepspeed_config)
     elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    return model, optimizer, ref_policy, reward_model
+    return Models(model, optimizer, policy, ref_policy, value_model, reward_model)
+
+
+def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
+    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from. A critic lr
+    or a critic warm-up (the policy's lr 0 for some updates) edits one group: a value-only loss would still train a
+    shared trunk."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
@@ -1085,55 +1104,38 @@ def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: t
                                           pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
 
 
-def reference_and_values(ref_policy, value_model, query_responses, response_ids, context_length, args, pad_token_id):
+def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
+                         context_length: int, args: Args, pad_token_id: int):
     """The reference's log-probs and the values of a rollout, in chunks."""
     chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
     for i in range(0, query_responses.size(0), chunk):
         qr = query_responses[i:i + chunk]
-        ref_logits = scale_logits(policy_logits(ref_policy, qr, pad_token_id, context_length), args.temperature,
-                                  pad_token_id)
+        ref_logits = scale_logits(policy_logits(models.ref_policy, qr, pad_token_id, context_length),
+                                  args.temperature, pad_token_id)
         ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
         del ref_logits
-        values.append(value_forward(value_model, qr, pad_token_id, context_length))
+        values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
     return torch.cat(ref_logprobs), torch.cat(values)
 
 
 # ---- Held-out evaluation ---------------------------------------------------------------------------------------------
-class HeldOut(NamedTuple):
-    indices: list[int]  # this process's posts
-    queries: torch.Tensor
-    query_texts: list[str]
-    references: list[str]
-    reference_score: float  # the mean over all posts
-
-
-def held_out_posts(accelerator: Accelerator, eval_dataset: Dataset, tokenizer, reward_model: nn.Module,
-                   chunk: int) -> HeldOut:
-    """Every world_size-th held-out post (wrapping: ZeRO-3 needs every process), its reference scored once."""
-    n, world, pad_token_id = len(eval_dataset), accelerator.num_processes, tokenizer.pad_token_id
-    indices = [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)]
-    rows = eval_dataset.select(indices)
-    queries = left_pad(rows["input_ids"], pad_token_id).to(accelerator.device)
-    references = pad_right([torch.tensor([ids]) for ids in rows["reference_ids"]], pad_token_id).to(accelerator.device)
-    with torch.no_grad(), accelerator.autocast():
-        reference_scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
-    all_reference_scores = dict(gather_object(list(zip(indices, reference_scores.tolist()))))
-    return HeldOut(indices, queries, rows["query"], [tokenizer.decode(ids) for ids in rows["reference_ids"]],
-                   sum(all_reference_scores.values()) / len(all_reference_scores))
-
-
-def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module, held_out: HeldOut, update: int,
-             console: Console) -> dict:
-    """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
-    accelerator, tokenizer, pad_token_id = setup.accelerator, setup.tokenizer, setup.tokenizer.pad_token_id
+def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
+             update: int, console: Console) -> dict:
+    """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator; the
+    references scored by the same reward model, for objective/reference_score."""
+    tokenizer, pad_token_id, held_out = setup.tokenizer, setup.tokenizer.pad_token_id, setup.eval_rows[:]
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
-    eval_args = replace(args, temperature=EVAL_TEMPERATURE)
+    eval_args, chunk = replace(args, temperature=EVAL_TEMPERATURE), args.local_rollout_forward_batch_size
+    references = pad_right([torch.tensor([ids]) for ids in held_out["reference_ids"]], pad_token_id).to(
+        accelerator.device)
     with torch.no_grad(), accelerator.autocast():
-        responses, _ = sample_responses(accelerator, model, held_out.queries, eval_args, setup.zero_stage == 3,
+        responses, _ = sample_responses(accelerator, models.model, eval_queries, eval_args, setup.zero3,
                                         pad_token_id, setup.stop_token_id, generator)
-        scores = score_responses(reward_model, held_out.queries, responses, pad_token_id,
-                                 args.local_rollout_forward_batch_size)
-    columns = zip(held_out.indices, held_out.query_texts, held_out.references, responses, scores.tolist())
+        scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
+        reference_scores = score_responses(models.reward_model, eval_queries, references, pad_token_id, chunk)
+    reference_scores = dict(gather_object(list(zip(held_out["index"], reference_scores.tolist()))))  # one per post
+    columns = zip(held_out["index"], held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]],
+                  responses, scores.tolist())
     rows = gather_object([(index, {"query": query, "reference": reference,
                                    "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
                                    "score": score}) for index, query, reference, r, score in columns])
@@ -1149,7 +1151,7 @@ def evaluate(args: Args, setup: Setup, model: nn.Module, reward_model: nn.Module
             wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
                       step=update)
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
-            "objective/reference_score": held_out.reference_score}
+            "objective/reference_score": sum(reference_scores.values()) / len(reference_scores)}
 
 
 def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
@@ -1441,14 +1443,14 @@ def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes,
 class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
 
-    def __init__(self, args: Args, setup: Setup, console: Console):
-        claim_output_dir(setup.accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before any write
-        self.main_process, self.track = setup.accelerator.is_main_process, args.track
+    def __init__(self, args: Args, accelerator: Accelerator, setup: Setup, start_update: int, console: Console):
+        claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before any write
+        self.main_process, self.track = accelerator.is_main_process, args.track
         self.num_updates = setup.sizes.num_updates
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                                  disable=not self.main_process)
-        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=setup.start_update - 1)
+        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=start_update - 1)
         if not self.main_process:
             return
         output_dir = setup.output_dir
@@ -1456,11 +1458,11 @@ class RunLog:
         # the tokenizer as given: the [PAD] is a training-time device
         AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
                                       trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
-        write_args(output_dir, args, setup.run_name, setup.resume_changes, setup.start_update)
-        keep_rows_before(output_dir / "metrics.jsonl", setup.start_update)
+        write_args(output_dir, args, setup.run_name, setup.resume_changes, start_update)
+        keep_rows_before(output_dir / "metrics.jsonl", start_update)
         # TensorBoard drops the points of the updates a resumed run redoes
         self.metrics_file = open(output_dir / "metrics.jsonl", "a")
-        self.writer = SummaryWriter(str(output_dir), purge_step=setup.start_update)
+        self.writer = SummaryWriter(str(output_dir), purge_step=start_update)
         if args.track:
             import wandb
 
@@ -1497,9 +1499,10 @@ def sub_state(state_dict: dict, name: str) -> dict:
     return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
 
 
-def save_models(accelerator: Accelerator, model: nn.Module, output_dir: Path, console: Console) -> None:
+def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, console: Console):
     """Policy and value model for plain transformers (TRL saved the policy only); the value keeps the RM's `bias`."""
     accelerator.wait_for_everyone()
+    output_dir = setup.output_dir
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
     if accelerator.is_main_process:

@@ -1,6 +1,7 @@
 """The two scripts stand alone (neither imports the other), so every function or class they both define is a copy:
 the same text, or one of the differences listed here by name with its reason. A new difference fails until it is
-listed; a listed one that became the same text fails until it is removed."""
+listed; a listed one that became the same text fails until it is removed. A difference keeps the signature (the
+parameters, the return annotation), so the two scripts diff line by line, unless listed in SIGNATURE_DIFFERENCES."""
 import ast
 
 import pytest
@@ -11,19 +12,27 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "PolicyAndValueWrapper": "TL;DR's forward returns the policy's logits and the values: no fused head, value head or "
                              "speed layer",
     "RunLog": "the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)",
+    "Models": "TL;DR's four models: a reward model, no value head or forwards",
     "Setup": "TL;DR's own set-up record: its datasets, one tokenizer, no rewards to resolve",
     "check_args": "the TL;DR script's own flags",
-    "evaluate": "TL;DR's validation: references, eval tables, SFD's metric names",
+    "evaluate": "TL;DR's validation: the references scored too, eval tables, SFD's metric names",
     "final_hidden_states": "no peft",
     "generate": "always response_length wide (SFD: the last score past eos)",
     "kl_penalty": "k1 and k3 only, the estimators --kl-estimator allows there",
     "load_models": "TL;DR's four models, no peft, value head or speed layer",
-    "reference_and_values": "whole models, no full KL",
+    "reference_and_values": "whole models, no full KL, always the values",
     "reward_model_scores": "minus the score bias (N+ detail 14: the reference summaries score 0 on average)",
     "save_models": "no adapters, no value head",
     "score_responses": "one reward model, on the policy's token ids",
     "set_up": "TL;DR's data, one tokenizer, no rewards to resolve",
     "value_forward": "minus the score bias the value model inherits from the reward model (N+ detail 18)",
+}
+SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
+    "PolicyAndValueWrapper": "TL;DR's forward returns logits and values: no response ids or temperature for fused "
+                             "log-probs, no value head, no speed layer's paths",
+    "reference_and_values": "no with_values: TL;DR's validation measures no KL, so every call wants the values",
+    "score_responses": "one reward model on the policy's token ids, not `Rewards` on the rollout's rows and step",
+    "value_forward": "no `head`: TL;DR has no --shared-value-head",
 }
 
 
@@ -35,12 +44,34 @@ def definitions(path) -> dict[str, str]:
             for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
+def parameters(node: ast.FunctionDef) -> tuple[list[str], str | None]:
+    """A function's parameter names in order ("*" before keyword-only ones) and its return annotation."""
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    names += [f"*{a.vararg.arg}"] if a.vararg else ["*"] * bool(a.kwonlyargs)
+    names += [p.arg for p in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
+    return names, ast.unparse(node.returns) if node.returns else None
+
+
+def signatures(path) -> dict[str, dict]:
+    """Top-level functions and classes by name: a function's `parameters` (under its own name), a class's methods'
+    (`__init__` among them) by method name."""
+    signatures = {}
+    for node in ast.parse((ROOT / path).read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            signatures[node.name] = {node.name: parameters(node)}
+        elif isinstance(node, ast.ClassDef):
+            signatures[node.name] = {m.name: parameters(m) for m in node.body if isinstance(m, ast.FunctionDef)}
+    return signatures
+
+
 PPO, TLDR = definitions("ppo.py"), definitions("ppo_tldr.py")
 SHARED = sorted((set(PPO) & set(TLDR)) - {"Args", "main"})  # the two scripts' own flags and loops
+PPO_SIGNATURES, TLDR_SIGNATURES = signatures("ppo.py"), signatures("ppo_tldr.py")
 
 
 def test_the_scripts_share_their_helpers():
-    assert len(SHARED) >= 30 and set(DIFFERENCES) <= set(SHARED)
+    assert len(SHARED) >= 30 and set(SIGNATURE_DIFFERENCES) <= set(DIFFERENCES) <= set(SHARED)
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -50,3 +81,16 @@ def test_a_shared_definition_is_a_copy_or_a_listed_difference(name):
     else:
         assert PPO[name] == TLDR[name], (f"{name} differs between the scripts: make it the same text, or list it in "
                                          f"DIFFERENCES with the reason")
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_a_shared_definition_has_the_same_signature_or_a_listed_reason(name):
+    """The same parameter names in the same order and the same return annotation, for a function, and for each
+    method that both scripts' class defines (a dataclass's fields are its own: `Setup` holds each script's set-up)."""
+    ppo, tldr = PPO_SIGNATURES[name], TLDR_SIGNATURES[name]
+    differ = {method: (ppo[method], tldr[method]) for method in ppo.keys() & tldr.keys() if ppo[method] != tldr[method]}
+    if name in SIGNATURE_DIFFERENCES:
+        assert differ, f"{name} has the same signature in both scripts now: remove it from SIGNATURE_DIFFERENCES"
+    else:
+        assert not differ, (f"{name}'s signature differs between the scripts (ppo.py's, ppo_tldr.py's): {differ}; "
+                            "make it the same, or list it in SIGNATURE_DIFFERENCES with the reason")
