@@ -489,7 +489,10 @@ def main(args: Args) -> None:
     torch.manual_seed(local_seed)
     start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
     if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        initial_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the flags': a changed lr is used
         accelerator.load_state(str(setup.checkpoint))
+        for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
+            group["initial_lr"] = initial_lr
         saved = setup.saved
         start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
             **saved["score_moments"])
@@ -1016,8 +1019,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if max_positions is not None and longest + args.response_length > max_positions:
         raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
                          f"exceeds the model's {max_positions} positions: shorten prompts or responses")
-    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
-    eval_rows = dataset.select(range(len(train_dataset), len(dataset))) if args.eval_samples > 0 else []
+    eval_rows = dataset.select(range(len(dataset) - args.eval_samples, len(dataset))) if args.eval_samples > 0 else []
+    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))  # a second source mixes in here (README)
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)

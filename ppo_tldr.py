@@ -378,7 +378,10 @@ def main(args: Args) -> None:
     torch.manual_seed(local_seed)
     start_update = 1
     if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+        initial_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the flags': a changed lr is used
         accelerator.load_state(str(setup.checkpoint))
+        for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
+            group["initial_lr"] = initial_lr
         start_update = setup.saved["update"] + 1
         if accelerator.is_main_process:
             console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")

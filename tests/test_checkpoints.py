@@ -80,6 +80,19 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
         assert torch.equal(flat_weights(full / name), flat_weights(resumed / name))
 
 
+def test_a_resume_with_a_changed_learning_rate_trains_at_it(assets, tmp_path):
+    """--resume-with-changes learning-rate: the optimizer's saved groups would bring back the old starting lr; the
+    resumed updates anneal from the new one (update 2 of 2: half of it)."""
+    run = tmp_path / "run"
+    args = args_for(assets, "--total-episodes", "32", "--save-every", "1", "--eval-samples", "0")  # 2 updates
+    _, rows = run_ppo(args, run)
+    assert [r["lr"] for r in rows] == [1e-3, 5e-4]
+    shutil.rmtree(run / "checkpoints" / "update-000002")
+    _, rows = run_ppo(args + ["--resume", "auto", "--output-dir", str(run), "--learning-rate", "0.5",
+                              "--resume-with-changes", "learning-rate"], run)
+    assert [r["lr"] for r in rows] == [1e-3, 0.25]
+
+
 def flat_weights(path):
     from safetensors.torch import load_file
 
