@@ -1079,9 +1079,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from. A critic lr
-    or a critic warm-up (the policy's lr 0 for some updates) edits one group: a value-only loss would still train a
-    shared trunk."""
+    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from: a critic lr
+    is the value group's; a critic warm-up sets the policy group's to 0 (a value-only loss alone would still train a
+    shared trunk: the README's editing table)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
