@@ -512,7 +512,7 @@ def main(args: Args) -> None:
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
         run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
-        episode = update * sizes.batch_size
+        episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
@@ -571,9 +571,7 @@ def main(args: Args) -> None:
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
         model.train()
-        step_stats = []  # by name, one dict per micro-batch that ran
-        optimizer_steps = skipped_minibatches = 0
-        stop_early = False
+        step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False  # stats: a dict per micro-batch
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
@@ -642,7 +640,7 @@ def main(args: Args) -> None:
         if args.use_score_scaling or args.use_score_norm:
             metrics["objective/score_running_mean"] = score_moments.mean
             metrics["objective/score_running_std"] = score_moments.std
-        if args.eval_samples > 0 and (update == sizes.num_updates or args.eval_every and update % args.eval_every == 0):
+        if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
@@ -652,15 +650,17 @@ def main(args: Args) -> None:
         run_log.log(update, metrics)
 
         # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
-        if update == sizes.num_updates:
+        if last:
             save_models(accelerator, model, args, setup, console)
-        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+        if last or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
                 **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
+        if last:  # the run's end, or an early one (`last` set in phase 7, before the held-out score: README)
+            break
     run_log.close()
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
@@ -959,14 +959,12 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         with outside_zero_init(ds_plugin):  # both build meta-device skeletons
             fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
 
+    source = f"--dataset-name {args.dataset_name}"
     dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
-    if args.dataset_prompt_column not in dataset.column_names:
-        raise ValueError(f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {args.dataset_name} "
-                         f"(columns: {dataset.column_names})")
+    check_prompt_rows(dataset, source, args.dataset_prompt_column)
     if len(dataset) - args.eval_samples < sizes.batch_size // args.num_generations:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size // args.num_generations}")
-    check_prompt_rows(dataset[args.dataset_prompt_column], f"--dataset-name {args.dataset_name}")
     chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
 
     # tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6)
@@ -1002,25 +1000,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.missing_eos_penalty is not None and eos_check_id is None:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
-    # prompts tokenised once; every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
-    clash = {"prompts", "completions", *TRAINER_KEYWORDS} & set(dataset.column_names) - {args.dataset_prompt_column}
-    if clash:
-        raise ValueError(f"{args.dataset_name}: column(s) {sorted(clash)} would collide with the keywords reward "
-                         "functions are called with (prompts, completions, completion_ids, "
-                         f"{', '.join(TRAINER_KEYWORDS)}): rename them")
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        dataset = dataset.map(
-            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
-            batched=True)
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    longest = max(len(ids) for ids in dataset["input_ids"])
-    if min(len(ids) for ids in dataset["input_ids"]) == 0:
-        raise ValueError(f"{args.dataset_name}: a prompt tokenises to zero tokens")
-    if max_positions is not None and longest + args.response_length > max_positions:
-        raise ValueError(f"the longest prompt ({longest} tokens) plus --response-length {args.response_length} "
-                         f"exceeds the model's {max_positions} positions: shorten prompts or responses")
+    dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
     eval_rows = dataset.select(range(len(dataset) - args.eval_samples, len(dataset))) if args.eval_samples > 0 else []
-    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))  # a second source mixes in here (README)
+    # a second source: loaded, checked and tokenised as above, then mixed in here (README: `interleave_datasets`)
+    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
@@ -1464,22 +1447,23 @@ def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: boo
 
 
 # ---- Prompts and rewards ---------------------------------------------------------------------------------------------
-def load_prompt_dataset(name: str, config: str | None, split: str) -> Dataset:
-    """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file."""
+def load_prompt_dataset(name: str, config: str | None, split: str, flag: str = "--dataset-name") -> Dataset:
+    """A hub id, a directory written by `save_to_disk`, a dataset directory, or a json/jsonl/parquet/csv file (errors
+    name `flag`)."""
     path = Path(name)
     if path.is_file():
         kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if kind is None:
-            raise ValueError(f"--dataset-name {name}: unsupported file type {path.suffix!r} "
+            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} "
                              "(json, jsonl, parquet, csv)")
         if kind == "json":
-            check_json_file(path, "--dataset-name")
+            check_json_file(path, flag)
         try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
             return load_dataset(kind, data_files=str(path), split="train")
         except (StopIteration, ValueError) as error:
-            raise ValueError(f"--dataset-name {name}: no rows could be read from this file ({error!r})") from None
+            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
         except Exception as error:  # datasets' DatasetGenerationError keeps the cause in a chained exception
-            raise ValueError(f"--dataset-name {name}: {error.__cause__ or error}") from error
+            raise ValueError(f"{flag} {name}: {error.__cause__ or error}") from error
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):
@@ -1521,14 +1505,42 @@ def check_json_file(path: Path, flag: str) -> None:
                              f"({getattr(error, 'msg', error)})") from None
 
 
-def check_prompt_rows(prompts: list, source: str) -> None:
-    """Refuse, by row, a prompt that is neither text nor a list of messages, or whose kind differs from row 0's."""
+def check_prompt_rows(dataset: Dataset, source: str, column: str) -> None:
+    """Refuse a missing prompt column, a column named as a reward function's keyword, and, by row, a prompt that is
+    neither text nor a list of messages, or whose kind differs from row 0's."""
+    if column not in dataset.column_names:
+        raise ValueError(f"--dataset-prompt-column {column!r} is not in {source} (columns: {dataset.column_names})")
+    clash = {"prompts", "completions", *TRAINER_KEYWORDS} & set(dataset.column_names) - {column}
+    if clash:  # every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
+        raise ValueError(f"{source}: column(s) {sorted(clash)} would collide with the keywords reward functions are "
+                         f"called with (prompts, completions, completion_ids, {', '.join(TRAINER_KEYWORDS)}): rename "
+                         "them")
+    prompts = dataset[column]
     kinds = {str: "text", list: "a list of chat messages"}
     first = kinds.get(type(prompts[0]))
     for row, prompt in enumerate(prompts):
         if kinds.get(type(prompt)) is None or kinds.get(type(prompt)) != first:
             raise ValueError(f"{source}: row {row}'s prompt is {prompt!r:.60} ({type(prompt).__name__}), but a prompt "
                              f"must be text or a list of chat messages, as row 0's ({first})")
+
+
+def tokenize_prompts(accelerator: Accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args: Args,
+                     model_config) -> Dataset:
+    """The prompts tokenised once (`input_ids`), by the run's first process, then each machine's (the others read its
+    cache); a prompt of no tokens, or too long for the model with a response, is refused."""
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        dataset = dataset.map(
+            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
+            batched=True)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    if min(lengths) == 0:
+        raise ValueError(f"{source}: a prompt tokenises to zero tokens")
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions is not None and max(lengths) + args.response_length > max_positions:
+        raise ValueError(f"{source}: the longest prompt ({max(lengths)} tokens) plus --response-length "
+                         f"{args.response_length} exceeds the model's {max_positions} positions: shorten prompts or "
+                         "responses")
+    return dataset
 
 
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:

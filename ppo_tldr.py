@@ -397,7 +397,7 @@ def main(args: Args) -> None:
     start_time = time.time()
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
-        episode = update * sizes.batch_size
+        episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
@@ -505,21 +505,23 @@ def main(args: Args) -> None:
             "lr": lr,
             "episode": episode,
         })
-        if update == sizes.num_updates or (args.eval_every > 0 and update % args.eval_every == 0):
+        if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
 
         # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
-        if update == sizes.num_updates:
+        if last:
             save_models(accelerator, model, args, setup, console)
-        if update == sizes.num_updates or (args.save_every > 0 and update % args.save_every == 0):
+        if last or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
                             args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
+        if last:  # the run's end, or an early one (`last` set in phase 7, before the held-out score: README)
+            break
     run_log.close()
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()

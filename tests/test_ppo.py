@@ -812,6 +812,24 @@ def test_the_script_runs_without_its_speed_layer(assets, tmp_path):
     assert_same_run(lean_rows, plain_rows, rel=0)
 
 
+def test_an_early_end_set_in_phase_7_scores_and_saves_as_the_last_update_does(assets, tmp_path):
+    """The README's early end: `last = last or <condition>` before the held-out score ends the run after that update
+    with its held-out score, the models and a checkpoint."""
+    source = (ROOT / "ppo.py").read_text()
+    check = "        if args.eval_samples > 0 and (last or "
+    assert source.count(check) == 1
+    script = ROOT / "cache" / f"ppo_early_{os.getpid()}.py"
+    script.write_text(source.replace(check, "        last = last or update == 1\n" + check))
+    try:
+        _, rows = run_ppo(common(assets, "--reward-fn", REWARD_FN, "--total-episodes", "48"), tmp_path / "run",
+                          script=str(script.relative_to(ROOT)))  # 3 updates
+    finally:
+        script.unlink()
+    assert [r["update"] for r in rows] == [1] and "eval/scores" in rows[0]
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("update-*")] == ["update-000001"]
+
+
 def test_static_cache_sampler_in_a_run_matches_the_dynamic_cache(assets, tmp_path):
     """--sampler static (the GPU sampler uncompiled) in a whole run: LoRA, a value head on the policy, a frozen trunk,
     the stop token and rollouts in chunks of 4; the banner names it, and the run is the dynamic cache's to the probes'
