@@ -256,8 +256,8 @@ def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int,
                     num_generations: int = 1) -> torch.Tensor:
     """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
     permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order.
-    Seeded by seed + pass alone: a second prompt source of the same size, drawn with the same seed, would follow the
-    same order, so give it its own (e.g. seed + 1_000_003)."""
+    Seeded by seed + pass alone: a second prompt source drawn apart with the same seed would follow the same order
+    (the README mixes one into the first instead)."""
     per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
     if num_prompts < per_update:
         raise ValueError(f"{num_prompts} prompts: fewer than the {per_update} one update samples")
@@ -489,10 +489,10 @@ def main(args: Args) -> None:
     torch.manual_seed(local_seed)
     start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
     if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        initial_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # the flags': a changed lr is used
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         accelerator.load_state(str(setup.checkpoint))
-        for group, initial_lr in zip(optimizer.param_groups, initial_lrs):
-            group["initial_lr"] = initial_lr
+        for group, flags in zip(optimizer.param_groups, settings):  # the flags' lr, betas...: a changed one is used
+            group.update(flags)
         saved = setup.saved
         start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
             **saved["score_moments"])
@@ -2110,7 +2110,8 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
 
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
-    """The held-out score, with its own generator seeded by the update; rank 0 writes the samples."""
+    """The held-out score, as the rewards give it (no --missing-eos-penalty, no score scaling), with its own generator
+    seeded by the update; rank 0 writes the samples."""
     models.model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
