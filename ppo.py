@@ -601,10 +601,8 @@ def main(args: Args) -> None:
                         if args.ent_coef != 0:  # an entropy bonus (OpenRLHF, verl; TRL had none): its mean entropy
                             stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
                             loss = loss - args.ent_coef * stats["loss/entropy_avg"]
-                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
-                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
-                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
-                                                     f"good checkpoint is kept in {checkpoints}")
+                        check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
+                                          f"minibatch {minibatch_idx + 1})", checkpoints)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -634,8 +632,7 @@ def main(args: Args) -> None:
             "time/scoring": time_scoring,  # reference, value and reward forwards
             "time/gae": time_gae,  # rewards, KL penalty, GAE, whitening
             "time/training": time_training,  # PPO epochs
-            "lr": lr,
-            "episode": episode,
+            "lr": lr, "episode": episode,
         })
         if args.use_score_scaling or args.use_score_norm:
             metrics["objective/score_running_mean"] = score_moments.mean
@@ -2077,6 +2074,13 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
                           else value_forward(policy, qr, pad_token_id, context_length, value_head))
     values = torch.cat(values) if with_values else None
     return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
+
+
+def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
+    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
+    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
+        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
+                                 f"{checkpoints}")
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):

@@ -473,10 +473,8 @@ def main(args: Args) -> None:
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
-                        if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=device), "sum") > 0:
-                            raise FloatingPointError(f"update {update} (PPO epoch {ppo_epoch_idx + 1}, minibatch "
-                                                     f"{minibatch_idx + 1}): non-finite loss on some rank; the last "
-                                                     f"good checkpoint is kept in {checkpoints}")
+                        check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
+                                          f"minibatch {minibatch_idx + 1})", checkpoints)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -502,8 +500,7 @@ def main(args: Args) -> None:
             "time/generation": time_generation,  # seconds on rank 0: sampling
             "time/scoring": time_scoring,  # reference, value and reward forwards
             "time/training": time_training,  # PPO epochs
-            "lr": lr,
-            "episode": episode,
+            "lr": lr, "episode": episode,
         })
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
@@ -1089,6 +1086,13 @@ def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
+    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
+    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
+        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
+                                 f"{checkpoints}")
+
+
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
