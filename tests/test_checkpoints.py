@@ -78,19 +78,14 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(assets, tmp_path):
     assert [r["update"] for r in expected] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4] and samples == expected
     for name in ("model.safetensors", "value_model/model.safetensors"):  # and the same final weights
         assert torch.equal(flat_weights(full / name), flat_weights(resumed / name))
-
-
-def test_a_resume_with_a_changed_learning_rate_trains_at_it(assets, tmp_path):
-    """--resume-with-changes learning-rate: the optimizer's saved groups would bring back the old starting lr; the
-    resumed updates anneal from the new one (update 2 of 2: half of it)."""
-    run = tmp_path / "run"
-    args = args_for(assets, "--total-episodes", "32", "--save-every", "1", "--eval-samples", "0")  # 2 updates
-    _, rows = run_ppo(args, run)
-    assert [r["lr"] for r in rows] == [1e-3, 5e-4]
-    shutil.rmtree(run / "checkpoints" / "update-000002")
-    _, rows = run_ppo(args + ["--resume", "auto", "--output-dir", str(run), "--learning-rate", "0.5",
-                              "--resume-with-changes", "learning-rate"], run)
-    assert [r["lr"] for r in rows] == [1e-3, 0.25]
+    # --resume-with-changes learning-rate: the optimizer's saved groups would bring back the old starting lr; the
+    # resumed updates anneal from the new one (updates 3 and 4 of 4: a half and a quarter of it)
+    changed = tmp_path / "changed"
+    shutil.copytree(full, changed)
+    shutil.rmtree(changed / "checkpoints" / "update-000004")
+    _, rows = run_ppo(args + ["--resume", "auto", "--output-dir", str(changed), "--learning-rate", "0.5",
+                              "--resume-with-changes", "learning-rate"], changed)
+    assert [r["lr"] for r in rows] == [1e-3, 7.5e-4, 0.25, 0.125]
 
 
 def flat_weights(path):
@@ -137,19 +132,15 @@ def test_a_failed_last_checkpoint_still_leaves_the_trained_models(assets, tmp_pa
     assert (out / "model.safetensors").is_file() and (out / "value_model" / "model.safetensors").is_file()
 
 
-def test_resume_with_other_batch_settings_is_refused(assets, tmp_path):
-    run_ppo(args_for(assets, "--total-episodes", "16"), tmp_path / "run")
+def test_resume_auto_starts_fresh_and_refuses_other_batch_settings(assets, tmp_path):
+    _, rows = run_ppo(args_for(assets, "--total-episodes", "16", "--resume", "auto"), tmp_path / "run")
+    assert [r["update"] for r in rows] == [1]  # no checkpoint yet: a fresh run
     other = args_for(assets, "--total-episodes", "16", "--per-device-train-batch-size", "2", "--resume", "auto")
     proc, _ = run_ppo(other, tmp_path / "run", check=False)
     assert proc.returncode != 0 and "flags differ" in proc.stderr and "per_device_train_batch_size" in proc.stderr
     # named on purpose, the flag passes; the batch arithmetic the checkpoint assumed still refuses it
     proc, _ = run_ppo(other + ["--resume-with-changes", "per-device-train-batch-size"], tmp_path / "run", check=False)
     assert proc.returncode != 0 and "the run's settings changed" in proc.stderr and "batch_size" in proc.stderr
-
-
-def test_resume_auto_without_a_checkpoint_starts_fresh(assets, tmp_path):
-    _, rows = run_ppo(args_for(assets, "--resume", "auto", "--total-episodes", "16"), tmp_path / "run")
-    assert [r["update"] for r in rows] == [1]
 
 
 def test_non_finite_loss_stops_the_run_naming_the_update(assets, tmp_path):
