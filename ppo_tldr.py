@@ -1042,6 +1042,7 @@ class Models:
     ref_policy: nn.Module
     value_model: nn.Module
     reward_model: nn.Module
+    reference_score: float  # the held-out references' mean score, the same at every validation: scored once
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
@@ -1074,7 +1075,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    return Models(model, optimizer, policy, ref_policy, value_model, reward_model)
+    return Models(model, optimizer, policy, ref_policy, value_model, reward_model,
+                  reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size))
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
@@ -1130,19 +1132,14 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
 # ---- Held-out evaluation ---------------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
-    """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator; the
-    references scored by the same reward model, for objective/reference_score."""
+    """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
     tokenizer, pad_token_id, held_out = setup.tokenizer, setup.tokenizer.pad_token_id, setup.eval_rows[:]
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     eval_args, chunk = replace(args, temperature=EVAL_TEMPERATURE), args.local_rollout_forward_batch_size
-    references = pad_right([torch.tensor([ids]) for ids in held_out["reference_ids"]], pad_token_id).to(
-        accelerator.device)
     with torch.no_grad(), accelerator.autocast():
         responses, _ = sample_responses(accelerator, models.model, eval_queries, eval_args, setup.zero3,
                                         pad_token_id, setup.stop_token_id, generator)
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
-        reference_scores = score_responses(models.reward_model, eval_queries, references, pad_token_id, chunk)
-    reference_scores = dict(gather_object(list(zip(held_out["index"], reference_scores.tolist()))))  # one per post
     columns = zip(held_out["index"], held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]],
                   responses, scores.tolist())
     rows = gather_object([(index, {"query": query, "reference": reference,
@@ -1160,7 +1157,20 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
             wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
                       step=update)
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
-            "objective/reference_score": sum(reference_scores.values()) / len(reference_scores)}
+            "objective/reference_score": models.reference_score}
+
+
+def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Setup, chunk: int) -> float:
+    """The reward model's mean score of the held-out reference summaries, over every post once (each process scores
+    its own `eval_rows`; a post two processes hold counts once)."""
+    pad_token_id = setup.tokenizer.pad_token_id
+    queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(accelerator.device)
+    references = pad_right([torch.tensor([ids]) for ids in setup.eval_rows["reference_ids"]], pad_token_id).to(
+        accelerator.device)
+    with torch.no_grad(), accelerator.autocast():
+        scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
+    scores = dict(gather_object(list(zip(setup.eval_rows["index"], scores.tolist()))))
+    return sum(scores.values()) / len(scores)
 
 
 def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
