@@ -1,23 +1,15 @@
 # PPO on Reddit TL;DR, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024; "SFD":
-# github.com/vwxyzjn/summarize_from_feedback_details), standing alone. Docs: README.md ("N+ detail k": its list;
-# "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then the plumbing it calls, resolved when it runs.
-import atexit
-import copy
-import errno
-import hashlib
+# github.com/vwxyzjn/summarize_from_feedback_details), the whole algorithm in one file. Docs: README.md ("N+ detail k":
+# its list; "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then what it calls, in call order; "ALGO
+# LOGIC" marks where an experiment's change goes. What no experiment edits lives in ppo_harness/, beside this file.
 import json
 import math
-import os
 import random
-import shutil
-import socket
+import sys
 import time
-import zlib
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Callable, Literal, NamedTuple, get_type_hints
+from typing import Annotated, Callable, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -25,21 +17,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
-from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from accelerate.utils import gather_object
+from datasets import Dataset
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
-from torch.utils.tensorboard import SummaryWriter
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from ppo_harness.launch import check_flags, start
+from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
+                                unpeft)
+from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
+from ppo_harness.run_folder import RunFolder, claim, save_checkpoint, save_models, write_atomic
+from ppo_harness.run_log import RunLog, print_banner
+
+try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
+    from ppo_harness.speed import SpeedLayer
+except ModuleNotFoundError as missing:
+    if missing.name != "ppo_harness.speed":
+        raise
+    SpeedLayer = None
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
 TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
-CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                   "objective/validation_score")
-CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 # flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
 RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every",
                      "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
@@ -49,7 +51,7 @@ RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", 
 @dataclass
 class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low, high)"], checked by `check_args`
     # common args
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: str = Path(__file__).stem
     """the name of this experiment"""
     seed: Annotated[int, "[0, 2147483647]"] = 1
     """seed of the experiment (python, numpy and torch; rank r uses seed + r * 100003)"""
@@ -159,6 +161,12 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
+    fast_paths: bool = True
+    """the exact shortcuts of the speed layer (ppo_harness/speed.py), each where its start-up probe passes;
+    --no-fast-paths: the plain forwards alone"""
+    sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
+    """auto: on CUDA a static KV cache compiled into CUDA graphs (once its start-up probe passes), else `dynamic`,
+    transformers' growing cache; `static`: the static cache uncompiled; `compiled`: compiled on any device"""
 
 
 # ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
@@ -186,7 +194,6 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
                       batch_size, math.ceil(total_episodes / batch_size))
 
 
-# Plumbing: data order, checkpoints, logging
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
     """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
@@ -202,7 +209,6 @@ def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int,
     return permutation[start:start + per_rank].repeat_interleave(num_generations)
 
 
-# PPO math: the same as ppo.py's (tests/test_math.py checks those against naive float64 loops, test_tldr.py the copies)
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of `bools`, or the row length if there is none."""
     row_len = bools.size(-1)
@@ -215,6 +221,23 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
     trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
     idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
     return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+
+
+def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
+    width = max(t.size(1) for t in tensors)
+    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+def pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """(rows, length) right-padded with `value` to `width` columns."""
+    return F.pad(tensor, (0, width - tensor.size(1)), value=value)
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
@@ -362,12 +385,13 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
-# ---- main: the PPO loop, phase by phase; the plumbing it calls follows it, section by section ------------------------
+# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -------------------------------------
 def main(args: Args) -> None:
-    # 0. Set-up: every check runs before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    # 0. Set-up: every check runs before any model loads, the run's folder taken last; then the models, seeds, a
+    # resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, sizes = models.model, models.optimizer, setup.sizes
+    model, optimizer, forwards, sizes, folder = models.model, models.optimizer, models.forwards, setup.sizes, setup.folder
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
     console = Console()
@@ -377,28 +401,28 @@ def main(args: Args) -> None:
     np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
     torch.manual_seed(local_seed)
     start_update = 1
-    if setup.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
+    if folder.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        accelerator.load_state(str(setup.checkpoint))
+        accelerator.load_state(str(folder.checkpoint))
         for group, flags in zip(optimizer.param_groups, settings):  # the flags' lr, betas...: a changed one is used
             group.update(flags)
-        start_update = setup.saved["update"] + 1
+        start_update = folder.saved["update"] + 1
         if accelerator.is_main_process:
-            console.print(f"resumed from {setup.checkpoint}: continuing at update {start_update}")
-    run_log = RunLog(args, accelerator, setup, start_update, console)
+            console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
+    run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
     if accelerator.is_main_process:
-        print_banner(console, setup.run_name, args, sizes, {
+        print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
             "reward model": models.reward_model},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
             [f"score bias (N+ detail 14): reward model {score_bias(models.reward_model.config):.4g}, value model "
-             f"{score_bias(models.value_model.config):.4g}", *resume_lines(setup)])
-    checkpoints = setup.output_dir / "checkpoints"
+             f"{score_bias(models.value_model.config):.4g}", *folder.banner_lines(), forwards.describe()])
     start_time = time.time()
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
         # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
+        # ALGO LOGIC: a schedule (temperature, KL coefficient) is set here, from the update and a start value
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
             group["lr"] = anneal * group["initial_lr"]
@@ -410,8 +434,11 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after eos (N+ 21)
-            responses, logprobs = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                   stop_token_id)
+            responses, logprobs = forwards.sample(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                  stop_token_id)
+            # always --response-length wide (SFD): the longest response's score lands one past its eos
+            responses = pad_columns(responses, args.response_length, pad_token_id)
+            logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # last real token (-1: empty)
@@ -419,8 +446,8 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values
-            ref_logprobs, values = reference_and_values(models, query_responses, response_ids, context_length, args,
-                                                        pad_token_id)
+            ref_logprobs, values, _ = forwards.score(models, query_responses, response_ids, context_length, args,
+                                                     pad_token_id)
             # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
             scores = score_responses(models.reward_model, queries, responses, pad_token_id,
                                      args.local_rollout_forward_batch_size)
@@ -436,10 +463,11 @@ def main(args: Args) -> None:
             values = values.masked_fill(padding_mask_p1, 0)
             kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
             rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
-            # a shaping term added to `rewards` here is trained on and logged in objective/rlhf_reward
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here: trained on, summed in rlhf_reward
 
             # 5. GAE (on whitened rewards with --whiten-rewards: N+ detail 26); returns before advantage whitening;
             # whitened advantages are 0 at padding (N+ detail 27)
+            # ALGO LOGIC: another advantage estimator replaces compute_gae here
             advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
                                               rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
@@ -447,14 +475,13 @@ def main(args: Args) -> None:
             rollout = Rollout(responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
                               padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
                               values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
-                              advantages=advantages, returns=returns, scores=scores, trained_scores=scores,
-                              contain_eos_token=contain_eos_token, score_components={})
+                              advantages=advantages, returns=returns, scores=scores,
+                              contain_eos_token=contain_eos_token)
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
         model.train()
-        step_stats = []  # by name, one dict per micro-batch
-        optimizer_steps = 0
+        step_stats, optimizer_steps = [], 0  # stats: a dict per micro-batch
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             b_inds = np.random.permutation(sizes.local_batch_size)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
@@ -463,18 +490,21 @@ def main(args: Args) -> None:
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[mbi], pad_token_id, context_length)
-                        logits = scale_logits(logits, args.temperature, pad_token_id)
-                        new_logprobs = logprobs_from_logits(logits, response_ids[mbi])
+                        new_logprobs, entropy, vpred = forwards.train(model, mbi, query_responses, pad_token_id,
+                                                                      context_length, response_ids, args)
                         new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
                         vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
                         pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
                             new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
                         vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
                                                           args.cliprange_value)
+                        stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
+                                 "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+                                 "policy/entropy_avg": masked_mean(entropy, ~padding_mask[mbi]), "ratio": ratio_mean}
+                        # ALGO LOGIC: a loss term is added here (and its mean to `stats`, to log it)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
                         check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
-                                          f"minibatch {minibatch_idx + 1})", checkpoints)
+                                          f"minibatch {minibatch_idx + 1})", folder.checkpoints)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -482,13 +512,8 @@ def main(args: Args) -> None:
                                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
-                        with torch.no_grad():
-                            step_stats.append({k: v.detach() for k, v in {
-                                "policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                                "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-                                "policy/entropy_avg": masked_mean(entropy_from_logits(logits), ~padding_mask[mbi]),
-                                "ratio": ratio_mean}.items()})
-                    del logits, vpred, loss
+                        step_stats.append({k: v.detach() for k, v in stats.items()})
+                    del new_logprobs, entropy, vpred, loss, stats
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail 30)
@@ -502,6 +527,7 @@ def main(args: Args) -> None:
             "time/training": time_training,  # PPO epochs
             "lr": lr, "episode": episode,
         })
+        # ALGO LOGIC: an early end: `last = last or <condition>` here (the update is then validated and saved)
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
@@ -510,10 +536,12 @@ def main(args: Args) -> None:
 
         # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
         if last:
-            save_models(accelerator, model, args, setup, console)
+            save_models(accelerator, model, args, args.sft_model_path, folder.path, console)
         if last or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, checkpoints, dict(update=update, episode=episode, lr=lr, **setup.run_state),
-                            args.save_total_limit)
+            # ALGO LOGIC: state kept across updates (a best score, a stop) goes in this dict, and back from
+            # folder.saved where main resumes
+            save_checkpoint(accelerator, folder.checkpoints, dict(update=update, episode=episode, lr=lr,
+                                                                  **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
@@ -540,10 +568,8 @@ class Rollout(NamedTuple):
     rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
     advantages: torch.Tensor  # whitened (mean 0, std 1 over this process's real tokens); raw: returns - values
     returns: torch.Tensor
-    scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
-    trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
-    contain_eos_token: torch.Tensor | None
-    score_components: dict  # each reward's own score (NaN: its None)
+    scores: torch.Tensor  # the reward model's score after the missing-eos rule
+    contain_eos_token: torch.Tensor
 
 
 def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict]) -> dict:
@@ -555,166 +581,41 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
         "objective/rlhf_reward": r.rewards.sum(1).mean(),  # what PPO maximised: every reward term, before whitening
         "objective/scores": r.scores.mean(),
-        # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
-        "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
-                                   torch.zeros((), device=r.scores.device)),
+        # responses ending in eos, over all processes: the mean of n x each process's count
+        "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
         # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
+        # ALGO LOGIC: a metric is one line here, from the rollout `r` or phase 6's `stats` (here `step_stats`)
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
-    if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
-        local["objective/scaled_scores"] = r.trained_scores.mean()
     metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
     ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
     return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
-            else 0.0,
-            # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
-            **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
+            else 0.0}
 
 
-def reward_means(components: dict, prefix: str, total: Callable) -> dict:
-    """Each reward's mean over the rows it judged (`total` sums over processes), and for each that returned None
-    (NaN) the share of rows it did not judge, as `{prefix}/scores_none/<name>`; what functions logged with
-    `log_metric`, averaged over processes, as `{prefix}/reward_fn/<name>`."""
-    if not components:  # ppo_tldr.py's one reward model: objective/scores says it all
-        return {}
-    logged = getattr(components, "metrics", {})
-    names, device = sorted(logged), next(iter(components.values())).device
-    tag = float(zlib.crc32(repr(names).encode()) % 4096)  # the same on every process (sums exact in float32)
-    sums = total(torch.stack([torch.stack([c.nansum(), c.isnan().float().sum(), torch.ones_like(c).sum()])
-                              for c in components.values()] + [torch.tensor([tag, 1.0, 0.0], device=device)]))
-    if sums[-1, 0] != tag * sums[-1, 1]:
-        raise ValueError(f"log_metric: reward functions logged other metric names on other processes (here {names}); "
-                         "log each name on every process, as TRL requires")
-    means = {f"{prefix}/scores/{n}": (s / (size - none)).item() for n, (s, none, size) in zip(components, sums)
-             if none < size}
-    if names:
-        logged_sums = total(torch.tensor([[sum(logged[n]) / len(logged[n]), 1.0] for n in names],
-                                          dtype=torch.float64, device=device))
-        means.update({f"{prefix}/reward_fn/{n}": (s / count).item() for n, (s, count) in zip(names, logged_sums)})
-    return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
-                        zip(components, sums) if none > 0}}
-
-
-# ---- Set-up: every check before any model loads ----------------------------------------------------------------------
-def in_interval(value: float, interval: str) -> bool:
-    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
-    low, high = (float(bound) for bound in interval[1:-1].split(","))
-    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
-                                                                       value < high)
-
-
-def flag_intervals() -> dict[str, str]:
-    """Each numeric flag's valid interval, from its Annotated[type, "[low, high)"] in `Args` (a None is no value)."""
-    return {name: hint.__metadata__[0] for name, hint in get_type_hints(Args, include_extras=True).items()
-            if hasattr(hint, "__metadata__")}
-
-
-def check_args(args: Args) -> None:
-    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    unknown = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes} - set(asdict(args))
-    if unknown:
-        raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
-    for name, interval in flag_intervals().items():
-        value = getattr(args, name)
-        if value is not None and not in_interval(value, interval):
-            raise ValueError(f"--{name.replace('_', '-')} {value} is out of range: it must lie in {interval}")
-    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
-                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
-                                 ("--stop-token", args.stop_token, ("eos", None))):
-        if value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
-    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
-        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
-                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    if args.whiten_rewards and local_batch_size < 8:
-        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
-
-
-def check_same_launch(accelerator: Accelerator, args) -> None:
-    """Machines launched with other flags or process counts would train apart or hang in a collective."""
-    if accelerator.num_processes == 1:
-        return
-    flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
-    local = torch.tensor([[flags, int(os.environ.get("LOCAL_WORLD_SIZE", 1))]], device=accelerator.device)
-    launches = accelerator.gather(local).tolist()  # (flags, processes on its machine) per process
-    if any(f != launches[0][0] for f, _ in launches):
-        raise ValueError(f"processes {[r for r, (f, _) in enumerate(launches) if f != launches[0][0]]} were launched "
-                         "with other flags than process 0: start every machine with the same command (only "
-                         "--machine_rank differs)")
-    if any(size != launches[0][1] for _, size in launches):
-        raise ValueError(f"the machines run different numbers of processes ({sorted({s for _, s in launches})}): "
-                         "give every machine's launcher the same --num_processes, the total over all machines")
-
-
-def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
-    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    archs = config.architectures or []
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-    if require_head and not is_classifier:
-        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
-                         "(AutoModelForSequenceClassification with num_labels=1)")
-    if is_classifier and config.num_labels != 1:
-        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
-    return config
-
-
-# Set-up, the update's steps and validation, called from main
+# ---- Set-up, in call order: every check before any model loads, the run's folder taken last --------------------------
 @dataclass
 class Setup:
     """What `set_up` resolved and checked before any model loads (TL;DR's fields)."""
     sizes: BatchSizes
     zero3: bool
-    run_name: str
-    output_dir: Path
-    checkpoint: Path | None
-    saved: dict | None  # the checkpoint's trainer_state.json
-    run_state: dict
+    folder: RunFolder  # the run's folder, and the checkpoint a resume continues from
+    run_state: dict  # what a checkpoint records and a resume must match: the batch arithmetic, the data's size
     tokenizer: object
     stop_token_id: int | None
     train_dataset: Dataset
     eval_rows: Dataset  # this process's held-out posts, with their `index` among all of them
-    resume_notes: list[str] = field(default_factory=list)  # checkpoints passed over as damaged
-    resume_changes: dict = field(default_factory=dict)  # flags changed since the run began: name -> [then, now]
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
-    """Every check, all before any model loads (SFD's `parse_args`); the posts tokenised once (N+ details 1-4)."""
+    """Every check, all before any model loads (SFD's `parse_args`): the flags and processes, the tokenizer, the posts
+    tokenised once (N+ details 1-4), the models' configurations; the run's folder last."""
     check_args(args)
-    # No DataLoader is prepared (see `rollout_indices`): accelerate would also step at each epoch's end
-    # a process whose peer died stops after --peer-timeout minutes in a collective: one bound on NCCL and gloo
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, kwargs_handlers=[
-        InitProcessGroupKwargs(timeout=timedelta(minutes=args.peer_timeout))])
-    check_same_launch(accelerator, args)
-    # accelerate quietly prefers a launcher's or DeepSpeed config's accumulation: one step per minibatch needs ours
-    ds_plugin = accelerator.state.deepspeed_plugin
-    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
-    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
-            "auto", args.gradient_accumulation_steps):
-        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
-                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
-                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
-                         "the config and set the flag")
-    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
-        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
-    if zero3:  # the final save consolidates the shards into one loadable checkpoint
-        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
-    output_dir = Path(args.output_dir) if args.output_dir else None
-    checkpoint, resume_notes = find_checkpoint(args.resume, output_dir) if args.resume else (None, [])
-    time_int = int(time.time())
-    if accelerator.num_processes > 1:  # the same run name on every rank
-        time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
-    run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = output_dir or (checkpoint.parent.parent if checkpoint else Path(f"runs/{run_name}"))
-    changes = claim_output_dir(accelerator, args, output_dir, checkpoint, take=False)
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -741,16 +642,6 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
-    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
-                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
-    saved = None
-    if checkpoint is not None:  # the checkpoint's run must have had the same settings
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())
-        changed = {k: (saved.get(k), v) for k, v in run_state.items() if saved.get(k, v) != v}
-        if changed:  # an older checkpoint has no num_processes: taken as unchanged
-            raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                             "with the original flags and number of processes, or the data order, random streams and "
-                             "learning rate would not continue")
     remote = dict(trust_remote_code=args.trust_remote_code)
     reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
     check_scalar_model(args.value_model_path or args.reward_model_path, "value model", require_head=False, **remote)
@@ -766,13 +657,39 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     eval_rows = eval_dataset.add_column("index", list(range(n))).select(
         [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)])
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
-    return accelerator, Setup(
-        sizes=sizes, zero3=zero3, run_name=run_name, output_dir=output_dir, checkpoint=checkpoint, saved=saved,
-        run_state=run_state, tokenizer=tokenizer, stop_token_id=stop_token_id, train_dataset=train_dataset,
-        eval_rows=eval_rows, resume_notes=resume_notes, resume_changes=changes)
+
+    # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
+    run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
+                     num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE)
+    return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, tokenizer=tokenizer,
+                              stop_token_id=stop_token_id, train_dataset=train_dataset, eval_rows=eval_rows)
 
 
-# ---- TL;DR data: queries (N+ details 1-4), references, loading (tests/test_tldr.py checks each) ----------------------
+def check_args(args: Args) -> None:
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
+    check_flags(args)  # each numeric flag within its interval (`Args`' annotations)
+    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
+                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
+                                 ("--stop-token", args.stop_token, ("eos", None))):
+        if value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
+    if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
+        raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
+                         f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.whiten_rewards and local_batch_size < 8:
+        raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
+
+
+def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
+    """A hub id, a dataset or `save_to_disk` directory, or a json/jsonl/parquet/csv file; with the TL;DR columns."""
+    dataset = load_prompt_dataset(name, config, split, flag)
+    check_text_columns(dataset, f"{flag} {name}", TLDR_COLUMNS)
+    return dataset
+
+
+# ---- TL;DR data: queries (N+ details 1-4), references (tests/test_tldr.py checks each) ---------------------------------
 def format_query(subreddit: str, title: str, post: str) -> str:
     return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
 
@@ -810,81 +727,80 @@ def tokenize_tldr(batch: dict, tokenizer, max_query_length: int) -> dict:
     return out
 
 
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
-    width = max(len(s) for s in sequences)
-    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+# ---- The models: policy, reference, value and reward models, one optimizer -------------------------------------------
+@dataclass
+class Models:
+    """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: nn.Module
+    ref_policy: nn.Module
+    value_model: nn.Module
+    reward_model: nn.Module
+    forwards: "Forwards"  # what main's phases run: plain, or through the speed layer (ppo_harness/speed.py)
+    reference_score: float  # the held-out references' mean score, the same at every validation: scored once
 
 
-def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dataset:
-    """A hub id, a dataset or `save_to_disk` directory, or a json/jsonl/parquet/csv file; with the TL;DR columns."""
-    path = Path(name)
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, jsonl, parquet, csv)")
-        if kind == "json":
-            check_json_file(path, flag)
-        try:  # datasets fails on a file without rows with StopIteration or "corresponds to no data"
-            ds = load_dataset(kind, data_files=str(path), split="train")
-        except (StopIteration, ValueError) as error:
-            raise ValueError(f"{flag} {name}: no rows could be read from this file ({error!r})") from None
-        except Exception as error:  # datasets' DatasetGenerationError keeps the cause in a chained exception
-            raise ValueError(f"{flag} {name}: {error.__cause__ or error}") from error
-    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        ds = load_from_disk(str(path))
-        if isinstance(ds, DatasetDict):
-            if split not in ds:
-                raise ValueError(f"{flag} {name}: no split {split!r} (splits: {list(ds)})")
-            ds = ds[split]
-    else:
-        try:
-            ds = load_dataset(name, config, split=split)
-        except ValueError as e:  # datasets' message names the splits there are
-            raise ValueError(f"{flag} {name}: cannot load split {split!r}: {e}") from e
-    missing = [c for c in TLDR_COLUMNS if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{flag} {name}: columns {missing} are missing (has {ds.column_names}); a TL;DR dataset has "
-                         f"{list(TLDR_COLUMNS)}")
-    for column in TLDR_COLUMNS:  # a null or a number would fail deep in the tokenizer, naming nothing
-        row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
-        if row is not None:
-            raise ValueError(f"{flag} {name}: row {row}'s {column} is {ds[row][column]!r:.60}, not text")
-    return ds
+def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
+    """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
+    # transformers 5's default dtype "auto" would train a bf16 save in bf16
+    kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
+    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
+        args.value_model_path or args.reward_model_path, num_labels=1, output_loading_info=True, **kwargs)
+    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
+        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
+        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+            for p in value_model.score.parameters():
+                nn.init.zeros_(p)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
+    for m in (policy, ref_policy, value_model, reward_model):
+        disable_dropout(m)  # N+ detail 7
+    for m in (ref_policy, reward_model):
+        m.eval().requires_grad_(False).to(accelerator.device)
+    forwards = Forwards()
+    if args.fast_paths and SpeedLayer is not None:  # ppo_harness/speed.py, probed against this script's forwards
+        forwards = SpeedLayer(sys.modules[__name__], args, setup, policy, value_model)
+    model = PolicyAndValueWrapper(policy, value_model)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
+    # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(args.vf_learning_rate, value=...)
+    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value_model), eps=1e-5,
+                                  weight_decay=0.0, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if setup.zero3:  # the frozen models sharded too (N+ detail 31)
+        for m in (ref_policy, reward_model):
+            shard_frozen(m, accelerator.deepspeed_config)
+    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
+        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
+        for m in (ref_policy, reward_model):
+            m.to(dtype)
+    forwards.probe_sampling(args, accelerator, setup, policy)  # on the prepared policy, in the run's precision
+    return Models(model, optimizer, policy, ref_policy, value_model, reward_model, forwards,
+                  reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size))
 
 
-def check_json_file(path: Path, flag: str) -> None:
-    """Name the line of a .json/.jsonl file that is not UTF-8, not JSON or repeats a key (datasets names none)."""
-    def unique_keys(pairs):
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) < len(keys):
-            raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
-        return dict(pairs)
-
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{flag} {path}: line {data[:error.start].count(10) + 1} is not UTF-8 (byte "
-                         f"{data[error.start]:#04x}): save the file as UTF-8") from None
-    try:  # one JSON document (an empty file: refused below, as having no rows)
-        json.loads(text, object_pairs_hook=unique_keys) if text.strip() else None
-        return
-    except json.JSONDecodeError as error:
-        if error.msg != "Extra data":
-            raise ValueError(f"{flag} {path}: line {error.lineno} is not valid JSON ({error.msg})") from None
-    except ValueError as error:
-        raise ValueError(f"{flag} {path}: {error}") from None
-    for number, line in enumerate(text.splitlines(), 1):  # JSON Lines
-        try:
-            if line.strip():
-                json.loads(line, object_pairs_hook=unique_keys)
-        except ValueError as error:
-            raise ValueError(f"{flag} {path}: line {number} is not valid JSON "
-                             f"({getattr(error, 'msg', error)})") from None
+def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
+    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from: a critic lr
+    is the value group's; a critic warm-up sets the policy group's to 0 (a value-only loss alone would still train a
+    shared trunk: the README's editing table)."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
-# ---- Model forwards: pad ids become 0, masked out, so a [PAD] needs no embedding resize (N+ detail 6) --------------
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+        for name in ("rank_dropout", "module_dropout"):
+            if isinstance(getattr(module, name, None), dict):
+                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
+
+
+# ---- The forwards: the plain computation (ppo_harness/speed.py's shortcuts are probed against it) --------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
@@ -900,7 +816,17 @@ def policy_logits(policy, query_responses, pad_token_id, context_length):
 
 def final_hidden_states(model, query_responses, pad_token_id):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    return model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+    return unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+
+
+def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
+                      with_entropy=False):
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution."""
+    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
+                          pad_token_id)
+    # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
+    entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
+    return logprobs_from_logits(logits, response_ids), entropy
 
 
 def score_bias(config) -> float:
@@ -932,24 +858,59 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, query_responses, pad_token_id, context_length):
-        return (policy_logits(self.policy, query_responses, pad_token_id, context_length),
-                value_forward(self.value_model, query_responses, pad_token_id, context_length))
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, paths=None):
+        """(log-probs, entropies, values) of the responses. `paths`: the speed layer's forwards instead."""
+        logprobs_of, values_of = (response_logprobs, value_forward) if paths is None else (
+            paths.response_logprobs, paths.value_forward)
+        logprobs, entropy = logprobs_of(self.policy, query_responses, pad_token_id, context_length, response_ids,
+                                        temperature, with_entropy=True)
+        return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
 
 
-def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
-    """One sampling step from the last position's logits: (token (rows, 1), its log-prob, the rows finished so far,
-    whether all are, on every ZeRO-3 process when `synced`)."""
-    logits = scale_logits(logits, temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+
+class Forwards:
+    """The seam between `main` and the models: the forwards its phases run. Here the plain computation (what
+    --no-fast-paths runs); ppo_harness/speed.py's `SpeedLayer` has the same methods, through shortcuts that start-up
+    probes find within 1e-4 of the functions below (an edited one included). They read the temperature from `args`, as
+    `evaluate` does: a schedule assigns `args.temperature` at the top of the update."""
+
+    def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
+        """Phase 1: (responses cut after the stop token, their log-probs)."""
+        return sample_responses(accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator)
+
+    def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
+        """Phase 2: (reference log-probs, values or None, the exact per-token KL or None)."""
+        return reference_and_values(models, query_responses, response_ids, context_length, args, pad_token_id,
+                                    with_values)
+
+    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, args):
+        """Phase 6: (log-probs, entropies, values) of these rows of the rollout, with gradients."""
+        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], args.temperature)
+
+    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, args):
+        """The policy's log-probs of these rows of the rollout (the --ratio-threshold guard)."""
+        return response_logprobs(policy, query_responses[rows], pad_token_id, context_length, response_ids[rows],
+                                 args.temperature)[0]
+
+    def probe_sampling(self, args, accelerator, setup, policy):
+        """The plain path has nothing to probe."""
+
+    def describe(self) -> str:
+        return "fast paths: off (--no-fast-paths, or no ppo_harness/speed.py)"
+
+
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, log-probs), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
+                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
     if stop_token_id is not None:
-        finished = finished | (token.squeeze(-1) == stop_token_id)
-    done = finished.all()
-    if synced:
-        done = done.float()
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, bool(done)
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs
 
 
 @torch.no_grad()
@@ -974,150 +935,28 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
-    width = response_length - len(tokens)  # always this wide (SFD): the last score lies past eos
-    return (F.pad(torch.cat(tokens, dim=1), (0, width), value=pad_token_id),
-            F.pad(torch.stack(logprobs, dim=1), (0, width), value=INVALID_LOGPROB))
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-@contextmanager
-def policy_for_generation(accelerator: Accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
-    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
-    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
-    policy = accelerator.unwrap_model(model).policy
-    if zero3 and gather_weights:
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-
-        with unwrap_model_for_generation(model):
-            yield policy, False
-    else:
-        yield policy, zero3
-
-
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
-# ---- Loading the models: dropout off, DeepSpeed ----------------------------------------------------------------------
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-        for name in ("rank_dropout", "module_dropout"):
-            if isinstance(getattr(module, name, None), dict):
-                setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
-
-
-def gathered_for_init(params):
-    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
-    params = list(params)
-    if not any(hasattr(p, "ds_id") for p in params):
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def shard_frozen(model: nn.Module, ds_config: dict) -> None:
-    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
-    kept on the model (discarding it would remove its hooks)."""
-    import deepspeed
-
-    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
-
-
-@dataclass
-class Models:
-    """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    policy: nn.Module
-    ref_policy: nn.Module
-    value_model: nn.Module
-    reward_model: nn.Module
-    reference_score: float  # the held-out references' mean score, the same at every validation: scored once
-
-
-def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
-    # transformers 5's default dtype "auto" would train a bf16 save in bf16
-    kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
-    value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
-        args.value_model_path or args.reward_model_path, num_labels=1, output_loading_info=True, **kwargs)
-    if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
-        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
-            for p in value_model.score.parameters():
-                nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
-    for m in (policy, ref_policy, value_model, reward_model):
-        disable_dropout(m)  # N+ detail 7
-    for m in (ref_policy, reward_model):
-        m.eval().requires_grad_(False).to(accelerator.device)
-    model = PolicyAndValueWrapper(policy, value_model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
-    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value_model), eps=1e-5,
-                                  weight_decay=0.0, fused=True)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if setup.zero3:  # the frozen models sharded too (N+ detail 31)
-        for m in (ref_policy, reward_model):
-            shard_frozen(m, accelerator.deepspeed_config)
-    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
-        dtype = next(accelerator.unwrap_model(model).parameters()).dtype
-        for m in (ref_policy, reward_model):
-            m.to(dtype)
-    return Models(model, optimizer, policy, ref_policy, value_model, reward_model,
-                  reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size))
-
-
-def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from: a critic lr
-    is the value group's; a critic warm-up sets the policy group's to 0 (a value-only loss alone would still train a
-    shared trunk: the README's editing table)."""
-    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
-    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
-
-
-# ---- One update's steps, called from main's loop ---------------------------------------------------------------------
-def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
-    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
-    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
-        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
-                                 f"{checkpoints}")
-
-
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses cut after the stop token, log-probs), sampled in chunks."""
-    chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
+    """One sampling step from the last position's logits: (token (rows, 1), its log-prob, the rows finished so far,
+    whether all are, on every ZeRO-3 process when `synced`)."""
+    logits = scale_logits(logits, temperature, pad_token_id)
+    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
     if stop_token_id is not None:
-        responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs
-
-
-def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    chunk: int) -> torch.Tensor:
-    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
-                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+        finished = finished | (token.squeeze(-1) == stop_token_id)
+    done = finished.all()
+    if synced:
+        done = done.float()
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, bool(done)
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int):
-    """The reference's log-probs and the values of a rollout, in chunks."""
+                         context_length: int, args: Args, pad_token_id: int, with_values=True):
+    """The rollout's no-grad forwards, in chunks: the reference's log-probs, the values (or None), and no exact KL
+    (TL;DR's estimators read only the sampled tokens' log-probs)."""
     chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
     for i in range(0, query_responses.size(0), chunk):
         qr = query_responses[i:i + chunk]
@@ -1125,11 +964,27 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
                                   args.temperature, pad_token_id)
         ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
         del ref_logits
-        values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
-    return torch.cat(ref_logprobs), torch.cat(values)
+        if with_values:
+            values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
+    return torch.cat(ref_logprobs), torch.cat(values) if with_values else None, None
 
 
-# ---- Held-out evaluation ---------------------------------------------------------------------------------------------
+# ---- Scores and one update's steps -------------------------------------------------------------------------------------
+def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    chunk: int) -> torch.Tensor:
+    """The reward model's scores of the responses, in chunks, minus its score bias (`reward_model_scores`)."""
+    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
+                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+
+
+def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
+    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
+    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
+        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
+                                 f"{checkpoints}")
+
+
+# ---- The held-out validation ------------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
     """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
@@ -1137,8 +992,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     eval_args, chunk = replace(args, temperature=EVAL_TEMPERATURE), args.local_rollout_forward_batch_size
     with torch.no_grad(), accelerator.autocast():
-        responses, _ = sample_responses(accelerator, models.model, eval_queries, eval_args, setup.zero3,
-                                        pad_token_id, setup.stop_token_id, generator)
+        responses, _ = models.forwards.sample(accelerator, models.model, eval_queries, eval_args, setup.zero3,
+                                              pad_token_id, setup.stop_token_id, generator)
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
     columns = zip(held_out["index"], held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]],
                   responses, scores.tolist())
@@ -1147,15 +1002,14 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
                                    "score": score}) for index, query, reference, r, score in columns])
     rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
     if accelerator.is_main_process:
-        (setup.output_dir / "eval").mkdir(exist_ok=True)
-        write_atomic(setup.output_dir / "eval" / f"update-{update:06d}.jsonl",
+        (setup.folder.path / "eval").mkdir(exist_ok=True)
+        write_atomic(setup.folder.path / "eval" / f"update-{update:06d}.jsonl",
                      "".join(json.dumps(row) + "\n" for row in rows))
         print_eval_table(console, rows[:3], f"validation after update {update}")
         if args.track:
             import wandb
 
-            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                      step=update)
+            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
             "objective/reference_score": models.reference_score}
 
@@ -1182,354 +1036,6 @@ def print_eval_table(console: Console, rows: list[dict], title: str, query_chars
         query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
         table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
     console.print(table)
-
-
-# ---- Checkpoints and logs --------------------------------------------------------------------------------------------
-def temporary_name(path: Path) -> Path:
-    """A hidden name beside `path`, unique to this process among the machines sharing the disk."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = temporary_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def disk_space_named(folder: Path):
-    """A write that fails on a full disk says so and where (torch says only "unexpected pos")."""
-    try:
-        yield
-    except Exception as error:
-        usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
-        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
-        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
-                usage.free < min(2**24, usage.total // 20)):
-            raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
-                          f"there ({type(error).__name__}: {error}); free space and resume") from error
-        raise
-
-
-def log_rows(path: Path) -> list[tuple[str, dict]]:
-    """A jsonl log's lines and rows; a last line torn by a kill is dropped, another bad line refused by number."""
-    lines = path.read_text(errors="replace").splitlines()
-    rows = []
-    for number, line in enumerate(lines, 1):
-        try:
-            rows.append((line, json.loads(line)))
-        except json.JSONDecodeError as error:
-            if number < len(lines):
-                raise ValueError(f"{path} line {number} is not JSON ({error.msg}): remove the line to resume") from None
-    return rows
-
-
-def keep_rows_before(path: Path, start_update: int) -> None:
-    """Keep only a jsonl log's rows of updates before `start_update` (a resumed run redoes the later ones)."""
-    if path.exists():
-        write_atomic(path, "".join(line + "\n" for line, row in log_rows(path) if row["update"] < start_update))
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
-    """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
-    holder gone from this host (killed) left it stale: taken over; another host's, once neither the lock nor
-    metrics.jsonl (written each update) changed for `stale_after` seconds (a Slurm requeue lands on another node)."""
-    lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(3):
-        if lock.exists():
-            host, _, pid = lock.read_text().partition(" ")
-            last = max(p.stat().st_mtime for p in (lock, output_dir / "metrics.jsonl") if p.exists())
-            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not process_alive(
-                    int(pid))) or host != socket.gethostname() and time.time() - last > stale_after):
-                raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
-                                 f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock} "
-                                 "(another host's is stale after --peer-timeout minutes without an update logged)")
-            if not take:
-                return
-            lock.unlink(missing_ok=True)  # stale, or this process's own
-        if not take:
-            return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:  # another run took it meanwhile: named on the next pass
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        atexit.register(lambda: lock.exists() and lock.read_text() == me and lock.unlink())
-        return
-    raise ValueError(f"{lock}: could not take the lock (another run starting at once?)")
-
-
-def resume_changes(args, run_dir: Path) -> dict:
-    """The flags that differ from the run's args.json (with its earlier resumes' changes): refused unless each is
-    in RESUME_MAY_CHANGE (logging, saving) or named by --resume-with-changes; else (name: [then, now])."""
-    path = run_dir / "args.json"
-    if not path.is_file():
-        return {}
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is unreadable ({error}): the run's flags cannot be compared to resume") from None
-    for resumed in saved.get("resumes", []):
-        saved.update({name: now for name, (_, now) in resumed["changes"].items()})
-    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as args.json holds them
-    changed = {name: [saved[name], value] for name, value in now.items() if name in saved and saved[name] != value}
-    named = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
-    refused = {name: change for name, change in changed.items() if name not in RESUME_MAY_CHANGE | named}
-    if refused:
-        raise ValueError(f"--resume: flags differ from the run's {path} (then, now): {refused}; they change the run, "
-                         "so resume with the original flags, or name them in --resume-with-changes to go on with them")
-    return {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
-
-
-def claim_output_dir(accelerator: Accelerator, args, output_dir: Path, checkpoint: Path | None, take: bool):
-    """A run owns its folder: no live lock, a new run into another run's folder refused (--overwrite: deleted) and
-    a resume's flags compared (`resume_changes`), by the main process for all; `take` (`RunLog`, once the models
-    loaded: a refused run writes nothing): the lock and the deletions too."""
-    result = None
-    if accelerator.is_main_process:
-        try:
-            lock_output_dir(output_dir, take, stale_after=args.peer_timeout * 60)
-            found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
-                p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
-            if found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==
-                                               output_dir.resolve())):
-                if not args.overwrite:
-                    raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue "
-                                     "it with --resume auto, or give a new --output-dir (--overwrite deletes it)")
-                for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] if (
-                        take) else []:
-                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            for log in ("metrics.jsonl", "samples.jsonl"):
-                if args.resume and (output_dir / log).exists():
-                    log_rows(output_dir / log)  # a bad line refused now, not after the models load
-            result = resume_changes(args, checkpoint.parent.parent if checkpoint else output_dir) if args.resume else {}
-        except ValueError as error:
-            result = error
-    result = broadcast_object_list([result])[0]  # the other processes raise the same error, or go on
-    if isinstance(result, ValueError):
-        raise ValueError(str(result))
-    return result
-
-
-def write_args(output_dir: Path, args, run_name: str, changes: dict, start_update: int) -> None:
-    """args.json: a new run's flags; a resumed run's keeps the original and adds its changes under `resumes`."""
-    path = output_dir / "args.json"
-    if not (args.resume and path.is_file()):
-        write_atomic(path, json.dumps({**asdict(args), "run_name": run_name}, indent=2))
-    elif changes:
-        saved = json.loads(path.read_text())
-        saved["resumes"] = saved.get("resumes", []) + [{"at_update": start_update, "changes": changes}]
-        write_atomic(path, json.dumps(saved, indent=2))
-
-
-def resume_lines(setup: Setup) -> list[str]:
-    """The banner's lines on a resume: checkpoints passed over, and each flag changed since the run began."""
-    return setup.resume_notes + [f"resumed with --{name.replace('_', '-')} changed from {then} to {now}"
-                                 for name, (then, now) in setup.resume_changes.items()]
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_checksums(folder: Path) -> None:
-    """The sha256 of every file of a checkpoint, in `sha256sum -c` format: a resume verifies them before loading."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    (folder / CHECKSUMS).write_text("".join(f"{file_sha256(p)}  {p.relative_to(folder)}\n" for p in files))
-
-
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since written), or None."""
-    if not (folder / "trainer_state.json").is_file():
-        return f"{folder / 'trainer_state.json'} is missing"
-    if not (folder / CHECKSUMS).is_file():
-        return None  # written before checkpoints carried checksums
-    for line in (folder / CHECKSUMS).read_text().splitlines():
-        expected, name = line.split("  ", 1)
-        try:
-            if file_sha256(folder / name) != expected:
-                return f"{folder / name} differs from its checksum in {CHECKSUMS} (damaged)"
-        except OSError as error:
-            return f"{folder / name}: {error.strerror or error}"
-    return None
-
-
-def update_number(checkpoint: Path) -> int:
-    return int(checkpoint.name.removeprefix("update-"))
-
-
-def save_checkpoint(accelerator: Accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """accelerate's save_state written aside (a name unique to this run), its checksums added, renamed into place,
-    then `latest` moved: a kill never leaves a half checkpoint. `state` records the batch arithmetic, so a changed
-    resume is refused. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
-    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
-    final = checkpoints / f"update-{state['update']:06d}"
-    tmp = checkpoints / f".tmp-{final.name}-{owner}"
-    with disk_space_named(checkpoints):
-        if accelerator.is_main_process:
-            for left in checkpoints.glob(".tmp-update-*"):  # by a run killed while saving (the lock keeps others out)
-                shutil.rmtree(left)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            write_checksums(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            write_atomic(checkpoints / "latest", final.name)
-            # a resume's abandoned later checkpoints are not this run's: left, to be overwritten
-            earlier = sorted((p for p in checkpoints.glob("update-[0-9]*") if update_number(p) < state["update"]),
-                             key=update_number)
-            for old in earlier[:max(len(earlier) - save_total_limit + 1, 0)] if save_total_limit else []:
-                shutil.rmtree(old)
-        accelerator.wait_for_everyone()
-
-
-def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from, verified, and notes on those passed over. `auto`: the one that
-    output_dir/checkpoints/latest names, else the newest whole one before it (None if there is none yet)."""
-    if resume != "auto":
-        path = Path(resume)
-        if not path.is_dir() or not {"trainer_state.json", CHECKSUMS} & {p.name for p in path.iterdir()}:
-            raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
-        if problem := checkpoint_problem(path):
-            raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}; resume from another one")
-        return path, []
-    if output_dir is None:
-        raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
-    checkpoints, notes = output_dir / "checkpoints", []
-    candidates = sorted(checkpoints.glob("update-[0-9]*"), key=update_number, reverse=True)
-    if (checkpoints / "latest").is_file():
-        named = checkpoints / (checkpoints / "latest").read_text().strip()
-        candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
-    for candidate in candidates:
-        if problem := checkpoint_problem(candidate):
-            notes.append(f"checkpoint {candidate} is damaged or incomplete: {problem}")
-        else:
-            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * bool(notes)
-    if notes:
-        raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
-    return None, []
-
-def print_banner(console: Console, run_name: str, args: Args, sizes: BatchSizes, models: dict, zero_stage: int,
-                 notes: list[str]) -> None:
-    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
-    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
-    steps = args.num_ppo_epochs * args.num_mini_batches
-    console.print(f"[bold]{run_name}[/bold]\n"
-                  f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
-                  f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
-                  f"{args.per_device_train_batch_size}"
-                  f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
-                  f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
-    for note in notes:
-        console.print(f"  {note}", highlight=False, markup=False)
-    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
-    for name, model in models.items():
-        if model is None:
-            continue
-        params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
-        weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
-        training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
-        training /= sizes.world_size if zero_stage >= 2 else 1
-        table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
-                      f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
-                      f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
-                      f"{(weights + training) / 2**30:.2f} GiB")
-    console.print(table)
-
-
-class RunLog:
-    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process)."""
-
-    def __init__(self, args: Args, accelerator: Accelerator, setup: Setup, start_update: int, console: Console):
-        claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)  # before any write
-        self.main_process, self.track = accelerator.is_main_process, args.track
-        self.num_updates = setup.sizes.num_updates
-        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                                 disable=not self.main_process)
-        self.task = self.progress.add_task("PPO updates", total=self.num_updates, completed=start_update - 1)
-        if not self.main_process:
-            return
-        output_dir = setup.output_dir
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # the tokenizer as given: the [PAD] is a training-time device
-        AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",
-                                      trust_remote_code=args.trust_remote_code).save_pretrained(output_dir)
-        write_args(output_dir, args, setup.run_name, setup.resume_changes, start_update)
-        keep_rows_before(output_dir / "metrics.jsonl", start_update)
-        # TensorBoard drops the points of the updates a resumed run redoes
-        self.metrics_file = open(output_dir / "metrics.jsonl", "a")
-        self.writer = SummaryWriter(str(output_dir), purge_step=start_update)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                       name=setup.run_name, save_code=True)
-
-    def log(self, update: int, metrics: dict) -> None:
-        if not self.main_process:
-            return
-        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
-        self.metrics_file.flush()
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, update)
-        if self.track:
-            import wandb
-
-            wandb.log(metrics, step=update)
-        self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
-            f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
-
-    def close(self) -> None:
-        self.progress.stop()
-        if self.main_process:
-            self.metrics_file.close()
-            self.writer.close()
-            if self.track:
-                import wandb
-
-                wandb.finish()
-
-
-def sub_state(state_dict: dict, name: str) -> dict:
-    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
-    return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
-
-
-def save_models(accelerator: Accelerator, model: nn.Module, args: Args, setup: Setup, console: Console):
-    """Policy and value model for plain transformers (TRL saved the policy only); the value keeps the RM's `bias`."""
-    accelerator.wait_for_everyone()
-    output_dir = setup.output_dir
-    unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # consolidates sharded (ZeRO-3) weights
-    if accelerator.is_main_process:
-        with disk_space_named(output_dir):
-            unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
-            unwrapped.value_model.save_pretrained(output_dir / "value_model",
-                                                  state_dict=sub_state(state_dict, "value_model"))
-        console.print(f"saved policy to {output_dir} and value model to {output_dir / 'value_model'}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Every numeric flag of both scripts has a valid range, checked by `check_args` before anything loads."""
+"""Every numeric flag of both scripts has a valid range, checked by `check_args` (through ppo_harness/launch.py's
+`check_flags`) before anything loads."""
 import dataclasses
 import math
 import typing
@@ -7,6 +8,7 @@ import pytest
 
 import ppo
 import ppo_tldr
+from ppo_harness.launch import flag_intervals, in_interval
 
 # one bad value per numeric flag, written from the flags' meaning (not from the intervals in Args)
 BAD = {
@@ -52,7 +54,7 @@ def test_every_numeric_flag_has_a_range(module):
     missing, stale = numeric_fields(module) - set(bad_values(module)), set(bad_values(module)) - numeric_fields(module)
     assert not missing, f"a new numeric flag needs a bad value in tests/test_args.py's BAD: {sorted(missing)}"
     assert not stale, f"BAD names flags that are gone or no longer numeric: {sorted(stale)}"
-    assert set(module.flag_intervals()) == numeric_fields(module)
+    assert set(flag_intervals(module.Args)) == numeric_fields(module)
     module.check_args(module.Args())  # the defaults are valid
     for name, value in GOOD.items():
         module.check_args(dataclasses.replace(module.Args(), **{name: value}))
@@ -67,7 +69,7 @@ def test_a_bad_value_is_refused_by_name(module, name):
         module.check_args(dataclasses.replace(module.Args(), **{name: value}))
     message = str(error.value)
     assert message.startswith(f"--{name.replace('_', '-')} {shown} is out of range"), message
-    assert message.endswith(module.flag_intervals()[name]), message
+    assert message.endswith(flag_intervals(module.Args)[name]), message
 
 
 @pytest.mark.parametrize("value, interval, inside", [
@@ -76,8 +78,7 @@ def test_a_bad_value_is_refused_by_name(module, name):
     (math.nan, "(-inf, inf)", False), (-1, "[0, inf)", False),
 ])
 def test_in_interval(value, interval, inside):
-    assert ppo.in_interval(value, interval) is inside
-    assert ppo_tldr.in_interval(value, interval) is inside
+    assert in_interval(value, interval) is inside
 
 
 def test_bad_combinations_are_refused():

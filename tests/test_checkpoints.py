@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import tyro
 
 import ppo
 from conftest import REWARD_FN, ROOT, run_ppo, without_wall_clock
@@ -157,11 +158,11 @@ def test_non_finite_loss_stops_the_run_naming_the_update(assets, tmp_path):
     ("TMP", "x", "not a checkpoint directory"),
 ])
 def test_bad_resume_is_refused(assets, tmp_path, resume, output_dir, message):
-    fields = dict(sft_model_path=str(assets["sft"]), reward_fn=REWARD_FN, dataset_name=str(assets["prompts"]),
-                  resume=str(tmp_path) if resume == "TMP" else resume,
-                  output_dir=str(tmp_path / output_dir) if output_dir else None)
+    args = tyro.cli(ppo.Args, args=args_for(assets, "--resume", str(tmp_path) if resume == "TMP" else resume))
+    args.output_dir = str(tmp_path / output_dir) if output_dir else None
     with pytest.raises(ValueError, match=message):
-        ppo.main(ppo.Args(**fields))
+        ppo.main(args)
+    assert not (tmp_path / "x").exists()  # refused before the folder is taken
 
 
 def test_remote_code_runs_only_when_allowed(tmp_path):

@@ -14,18 +14,16 @@ import tyro
 
 import ppo
 import ppo_tldr
+from ppo_harness import run_folder
 from conftest import ROOT, make_tokenizer, run_ppo, tiny_args, without_wall_clock
 from test_checkpoints import flat_weights
 
 
-def set_up(assets, out, *extra, take=False):
-    """ppo.py's set-up alone (every check, no model loaded) on the tiny assets, into `out`; `take`: then what
-    `RunLog` does first, once the models loaded: take the folder (the lock, --overwrite's deletions)."""
+def set_up(assets, out, *extra):
+    """ppo.py's set-up alone (every check, no model loaded) on the tiny assets, into `out`: it takes the folder last
+    (the lock, --overwrite's deletions)."""
     args = tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra])
-    accelerator, setup = ppo.set_up(args)
-    if take:
-        ppo.claim_output_dir(accelerator, args, setup.output_dir, setup.checkpoint, take=True)
-    return setup
+    return ppo.set_up(args)[1]
 
 
 def finished_run(out):
@@ -41,9 +39,7 @@ def test_a_new_run_into_another_runs_folder_is_refused_and_nothing_emptied(asset
         set_up(assets, out)
     assert str(out) in str(error.value) and "--resume auto" in str(error.value) and "--output-dir" in str(error.value)
     assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n{"update": 2}\n' and not (out / ".lock").exists()
-    with pytest.raises(ValueError, match="holds another run"):  # ppo_tldr.py too, before its tokenizer loads
-        ppo_tldr.set_up(ppo_tldr.Args(output_dir=str(out)))
-    set_up(assets, out, "--overwrite", take=True)  # on purpose: the other run's logs and checkpoints are deleted
+    set_up(assets, out, "--overwrite")  # on purpose: the other run's logs and checkpoints are deleted
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
 
@@ -58,12 +54,12 @@ def test_the_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(assets, tmp
             set_up(assets, out)
     stale = time.time() - 31 * 60  # another host's lock, untouched longer than --peer-timeout (30 min): taken over
     os.utime(out / ".lock", (stale, stale))
-    set_up(assets, out, take=True)
+    set_up(assets, out)
     assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
     gone = subprocess.Popen(["true"])
     gone.wait()
     (out / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")  # a killed run's
-    set_up(assets, out, take=True)
+    set_up(assets, out)
     assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
 
 
@@ -76,7 +72,7 @@ def test_the_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(assets, tmp
 def test_a_resume_refuses_a_flag_that_changes_the_run(assets, tmp_path, change, field):
     out = tmp_path / "run"
     out.mkdir()
-    ppo.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
+    run_folder.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
     change = [str(assets["rm"]) if c == "RM" else c for c in change]
     with pytest.raises(ValueError, match="flags differ from the run's") as error:
         set_up(assets, out, "--resume", "auto", *change)
@@ -86,14 +82,14 @@ def test_a_resume_refuses_a_flag_that_changes_the_run(assets, tmp_path, change, 
 def test_a_resume_records_the_changes_it_may_make(assets, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    ppo.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
+    run_folder.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
     extra = ["--resume", "auto", "--save-every", "3", "--learning-rate", "0.5", "--resume-with-changes",
              "learning-rate"]
     setup = set_up(assets, out, *extra)
-    assert setup.resume_changes == {"learning_rate": [1e-3, 0.5], "save_every": [0, 3]}
-    assert "resumed with --learning-rate changed from 0.001 to 0.5" in ppo.resume_lines(setup)
+    assert setup.folder.changes == {"learning_rate": [1e-3, 0.5], "save_every": [0, 3]}
+    assert "resumed with --learning-rate changed from 0.001 to 0.5" in setup.folder.banner_lines()
     resumed = tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out), *extra])
-    ppo.write_args(out, resumed, "run 2", setup.resume_changes, 3)
+    run_folder.write_args(out, resumed, "run 2", setup.folder.changes, 3)
     saved = json.loads((out / "args.json").read_text())
     assert saved["learning_rate"] == 1e-3 and saved["run_name"] == "run" and saved["resumes"] == [
         {"at_update": 3, "changes": {"learning_rate": [1e-3, 0.5], "save_every": [0, 3]}}]
@@ -118,11 +114,11 @@ def test_a_damaged_checkpoint_is_named_and_resume_auto_falls_back_to_a_whole_one
     _, uninterrupted = run_ppo(args, out)  # 2 updates, a checkpoint after each
     weights = flat_weights(out / "model.safetensors")
     checkpoints = out / "checkpoints"
-    assert subprocess.run(["sha256sum", "--quiet", "-c", ppo.CHECKSUMS], cwd=checkpoints / "update-000002").returncode \
+    assert subprocess.run(["sha256sum", "--quiet", "-c", run_folder.CHECKSUMS], cwd=checkpoints / "update-000002").returncode \
         == 0  # the checksums are in the standard tool's format
     flip_bytes(checkpoints / "update-000002" / "optimizer.bin")  # the newest: 8 bytes flipped
     with pytest.raises(ValueError, match="update-000002/optimizer.bin differs from its checksum"):
-        ppo.find_checkpoint(str(checkpoints / "update-000002"), None)
+        run_folder.find_checkpoint(str(checkpoints / "update-000002"), None)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"update": 3, "objective/sc')  # a last line torn by a kill
     proc, rows = run_ppo(args + ["--resume", "auto", "--save-every", "2"], out)
@@ -139,15 +135,15 @@ def test_a_damaged_checkpoint_is_named_and_resume_auto_falls_back_to_a_whole_one
     events.Reload()  # the redone update's first points purged: each step once
     assert [e.step for e in events.Scalars("objective/scores")] == [1, 2]
     assert [e.step for e in events.Scalars("eval/scores")] == [0, 1, 2]
-    assert ppo.checkpoint_problem(checkpoints / "update-000002") is None  # written anew
+    assert run_folder.checkpoint_problem(checkpoints / "update-000002") is None  # written anew
     (checkpoints / "update-000002" / "model.safetensors").unlink()  # a file deleted
-    assert ppo.find_checkpoint("auto", out) == (checkpoints / "update-000001", [
+    assert run_folder.find_checkpoint("auto", out) == (checkpoints / "update-000001", [
         f"checkpoint {checkpoints / 'update-000002'} is damaged or incomplete: "
         f"{checkpoints / 'update-000002' / 'model.safetensors'}: No such file or directory",
         f"falling back to {checkpoints / 'update-000001'}, the newest whole checkpoint"])
     (checkpoints / "update-000001" / "trainer_state.json").unlink()
     with pytest.raises(ValueError, match="no whole checkpoint"):  # none left: refused, not started afresh
-        ppo.find_checkpoint("auto", out)
+        run_folder.find_checkpoint("auto", out)
 
 
 def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
@@ -159,11 +155,11 @@ def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
     for update in (5, 8):
         (checkpoints / f"update-00000{update}").mkdir(parents=True)
         (checkpoints / f"update-00000{update}" / "trainer_state.json").write_text("{}")
-    ppo.save_checkpoint(accelerator, checkpoints, {"update": 6}, 1)
+    run_folder.save_checkpoint(accelerator, checkpoints, {"update": 6}, 1)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000008"]
     assert (checkpoints / "latest").read_text() == "update-000006"
-    assert ppo.checkpoint_problem(checkpoints / "update-000006") is None
-    ppo.save_checkpoint(accelerator, checkpoints, {"update": 7}, 2)
+    assert run_folder.checkpoint_problem(checkpoints / "update-000006") is None
+    run_folder.save_checkpoint(accelerator, checkpoints, {"update": 7}, 2)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000007",
                                                              "update-000008"]
 

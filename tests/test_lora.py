@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
+from ppo_harness import run_folder, speed
 from conftest import REWARD_FN, build_models, run_ppo, tiny_args, without_wall_clock
 
 PAD = 40  # outside the tiny vocabulary, like the [PAD] ppo.py adds
@@ -81,7 +82,7 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
             ppo.enable_gradient_checkpointing(policy)
         model = ppo.PolicyAndValueWrapper(policy, value_head=head).train()  # PPO's training forwards: train mode
         qr = ppo.left_pad(QR, PAD)
-        fast = ppo.FastPaths(True, {"policy": 1} if split else {})  # the fused head, as in training
+        fast = speed.FastPaths(ppo, True, {"policy": 1} if split else {})  # the fused head, as in training
         with torch.no_grad():
             fast = fast.with_trunks({"policy": policy}, qr, PAD)
         calls = []
@@ -114,9 +115,9 @@ def test_shared_value_head_reads_the_final_hidden_state_before_each_response_tok
     with torch.no_grad():
         values = ppo.value_forward(policy, qr, PAD, 2, head=head)
         *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7,
-                                                                                          ppo.FastPaths(True))
+                                                                                          speed.FastPaths(ppo, True))
         torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
-        for a, b in zip(with_logprobs, ppo.FastPaths(True).response_logprobs(policy, qr, PAD, 2, ids, 0.7,
+        for a, b in zip(with_logprobs, speed.FastPaths(ppo, True).response_logprobs(policy, qr, PAD, 2, ids, 0.7,
                                                                              with_entropy=True)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
         for row, tokens in enumerate(QR):
@@ -181,7 +182,7 @@ def test_saved_adapter_and_value_head_reload(shared_head_run, llama):
     for name, p in policy.named_parameters():  # the adapter as trained
         if "lora_" in name:
             torch.testing.assert_close(p, trained["policy." + name], rtol=0, atol=0)
-    head = ppo.load_value_head(out / ppo.VALUE_HEAD_FILE)
+    head = run_folder.load_value_head(out / run_folder.VALUE_HEAD_FILE)
     torch.testing.assert_close(head.weight, trained["value_head.weight"], rtol=0, atol=0)
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     qr = ppo.left_pad(QR, PAD)
@@ -240,7 +241,7 @@ def test_an_adapter_in_the_frozen_trunk_keeps_full_forwards(llama, assets, tmp_p
         for n, p in peft_model.named_parameters():
             if "ia3_l" in n or "modules_to_save" in n:
                 p.add_(torch.randn_like(p) * 2)
-    assert not ppo.adapter_free_trunk(peft_model, 1)
+    assert not speed.adapter_free_trunk(peft_model, 1)
     peft_model.save_pretrained(tmp_path / "sft")
     rows = {layers: run_ppo(tiny_args({**assets, "sft": tmp_path / "sft"}, *ONE_STEP, "--use-peft",
                                       "--num-trainable-layers", layers), tmp_path / layers)[1]
@@ -252,7 +253,7 @@ def test_an_adapter_in_the_frozen_trunk_keeps_full_forwards(llama, assets, tmp_p
 def test_a_fresh_adapter_on_the_top_blocks_keeps_the_trunk_shared(llama):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]),
                            random_adapter(0, layers_to_transform=[1]))
-    assert ppo.adapter_free_trunk(model, 1) and not ppo.adapter_free_trunk(model, 2)
+    assert speed.adapter_free_trunk(model, 1) and not speed.adapter_free_trunk(model, 2)
 
 
 def test_a_loaded_adapter_trains_without_dropout(llama, assets, tmp_path):

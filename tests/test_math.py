@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ppo
+from ppo_harness import speed
 
 F64 = dict(rtol=1e-10, atol=1e-12)  # float64 helpers vs float64 loops
 F32 = dict(rtol=1e-5, atol=1e-6)  # helpers that compute in float32
@@ -368,12 +369,12 @@ def test_head_logprobs(n, hidden, vocab, pad, chunk, temperature):
     h, w = randn((n, hidden), seed=n, scale=2.0), randn((vocab, hidden), seed=vocab)
     tokens = torch.randint(0, vocab, (n,), generator=gen(hidden))
     tokens[tokens == pad] = (pad + 1) % vocab  # ppo.py never asks for the pad token
-    lp, ent = ppo.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    lp, ent = speed.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
     expected = [naive_logp_and_entropy(naive_head_logits(hr, rows(w), temperature, pad), k)
                 for hr, k in zip(rows(h), tokens.tolist())]
     assert_close(lp, [e[0] for e in expected])
     assert_close(ent, [e[1] for e in expected])
-    lp_only, empty = ppo.head_logprobs(h, w, tokens, temperature, pad, chunk_elements=chunk)
+    lp_only, empty = speed.head_logprobs(h, w, tokens, temperature, pad, chunk_elements=chunk)
     assert_close(lp_only, lp) and empty.numel() == 0
 
 
@@ -390,7 +391,7 @@ def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk, uses):
     tokens[tokens == pad] = (pad + 1) % vocab
     c = randn((n,), seed=3) * (uses != "entropy")
     e = randn((n,), seed=4) * (uses != "logprobs")
-    lp, ent = ppo.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    lp, ent = speed.head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
     assert lp.requires_grad and ent.requires_grad
     {"logprobs": (lp * c).sum(), "entropy": (ent * e).sum(), "both": (lp * c).sum() + (ent * e).sum()}[uses].backward()
     W, H = rows(w.detach()), rows(h.detach())
@@ -420,7 +421,7 @@ def test_head_logprobs_matches_the_unfused_float32_path():
     """ppo.py's fused path against scale_logits -> logprobs_from_logits / entropy_from_logits on the same logits."""
     h, w = randn((3, 4, 8), seed=1, dtype=torch.float32), randn((50, 8), seed=2, scale=3.0, dtype=torch.float32)
     tokens = torch.randint(0, 49, (3, 4), generator=gen(3))
-    lp, ent = ppo.head_logprobs(h, w, tokens, 0.7, 49, with_entropy=True, chunk_elements=100)
+    lp, ent = speed.head_logprobs(h, w, tokens, 0.7, 49, with_entropy=True, chunk_elements=100)
     logits = ppo.scale_logits(h @ w.T, 0.7, 49)
     assert lp.shape == ent.shape == tokens.shape and lp.dtype == torch.float32
     torch.testing.assert_close(lp, ppo.logprobs_from_logits(logits, tokens), **F32)
@@ -443,7 +444,7 @@ def test_head_logprobs_under_bf16_autocast_matches_the_unfused_path(seed):
         return ppo.logprobs_from_logits(logits, tokens), ppo.entropy_from_logits(logits)
 
     results = []
-    for path in (plain, lambda: ppo.head_logprobs(h, w, tokens, 0.7, 51, with_entropy=True, chunk_elements=500)):
+    for path in (plain, lambda: speed.head_logprobs(h, w, tokens, 0.7, 51, with_entropy=True, chunk_elements=500)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             lp, ent = path()
         results.append((lp.detach(), ent.detach(), *torch.autograd.grad((lp * g).sum(), (h, w))))

@@ -1,7 +1,8 @@
-"""The two scripts stand alone (neither imports the other), so every function or class they both define is a copy:
-the same text, or one of the differences listed here by name with its reason. A new difference fails until it is
-listed; a listed one that became the same text fails until it is removed. A difference keeps the signature (the
-parameters, the return annotation), so the two scripts diff line by line, unless listed in SIGNATURE_DIFFERENCES."""
+"""Neither script imports the other, and what both need that no experiment edits lives once in ppo_harness/. So every
+function or class both scripts define is part of the algorithm they share, and a copy: the same text, or one of the
+differences listed here by name with its reason. A new difference fails until it is listed; a listed one that became
+the same text fails until it is removed. A difference keeps the signature (the parameters, the return annotation), so
+the two scripts diff line by line, unless listed in SIGNATURE_DIFFERENCES."""
 import ast
 
 import pytest
@@ -9,28 +10,23 @@ import pytest
 from conftest import ROOT
 
 DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
-    "PolicyAndValueWrapper": "TL;DR's forward returns the policy's logits and the values: no fused head, value head or "
-                             "speed layer",
-    "RunLog": "the tokenizer saved with the run, TL;DR's console line, wandb.log (no TensorBoard sync)",
-    "Models": "TL;DR's four models: a reward model, no value head or forwards",
+    "PolicyAndValueWrapper": "no value head: TL;DR always trains a separate value model (N+ detail 17)",
+    "Models": "TL;DR's four models: a reward model, no value head",
+    "Rollout": "one reward model and no score scaling: no score components or scaled scores to keep",
+    "gathered_metrics": "one reward model and no score scaling: objective/scores says it all, no per-reward means",
     "Setup": "TL;DR's own set-up record: its datasets, one tokenizer, no rewards to resolve",
     "check_args": "the TL;DR script's own flags",
     "evaluate": "TL;DR's validation: the references scored too, eval tables, SFD's metric names",
-    "final_hidden_states": "no peft",
-    "generate": "always response_length wide (SFD: the last score past eos)",
     "kl_penalty": "k1 and k3 only, the estimators --kl-estimator allows there",
-    "load_models": "TL;DR's four models, no peft, value head or speed layer",
-    "reference_and_values": "whole models, no full KL, always the values",
+    "load_models": "TL;DR's four models, no peft, value head or frozen blocks",
+    "reference_and_values": "the reference is always its own model, and no exact KL (k1 and k3 only)",
     "reward_model_scores": "minus the score bias (N+ detail 14: the reference summaries score 0 on average)",
-    "save_models": "no adapters, no value head",
     "score_responses": "one reward model, on the policy's token ids",
     "set_up": "TL;DR's data, one tokenizer, no rewards to resolve",
     "value_forward": "minus the score bias the value model inherits from the reward model (N+ detail 18)",
 }
 SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
-    "PolicyAndValueWrapper": "TL;DR's forward returns logits and values: no response ids or temperature for fused "
-                             "log-probs, no value head, no speed layer's paths",
-    "reference_and_values": "no with_values: TL;DR's validation measures no KL, so every call wants the values",
+    "PolicyAndValueWrapper": "no value head to take",
     "score_responses": "one reward model on the policy's token ids, not `Rewards` on the rollout's rows and step",
     "value_forward": "no `head`: TL;DR has no --shared-value-head",
 }

@@ -264,7 +264,7 @@ def test_load_tldr_split_from_files_and_directories(tldr, tmp_path):
 
 
 def test_responses_are_response_length_wide_when_every_row_stops_early():
-    """Generation ends once every row has its eos; the responses are still --response-length wide (SFD), so the
+    """Generation ends once every row has its eos; phase 1 pads the responses to --response-length (SFD), so the
     longest response's score lands one past its eos, where the value bootstraps, and not on the eos itself."""
     class AlwaysEos(torch.nn.Module):  # a policy that puts almost all probability on token 0, the eos
         def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep=None,
@@ -274,10 +274,15 @@ def test_responses_are_response_length_wide_when_every_row_stops_early():
             return type("Output", (), dict(logits=logits, past_key_values=None))
 
     responses, logprobs = ppo_tldr.generate(AlwaysEos(), torch.tensor([[1, 2], [7, 3]]), 7, 6, 0.7, stop_token_id=0)
+    assert responses.tolist() == [[0]] * 2  # the eos, and sampling stops
+    responses, logprobs = ppo_tldr.pad_columns(responses, 6, 7), ppo_tldr.pad_columns(logprobs, 6, 1.0)
     assert responses.tolist() == [[0, 7, 7, 7, 7, 7]] * 2
     assert (logprobs[:, 1:] == ppo_tldr.INVALID_LOGPROB).all() and (logprobs[:, 0] <= 0).all()
     sequence_lengths = ppo_tldr.first_true_indices(responses == 7) - 1
     assert ppo_tldr.score_positions(sequence_lengths, responses.size(1)).tolist() == [1, 1]  # one past the eos
+    source = (ROOT / "ppo_tldr.py").read_text()  # phase 1 pads both, before anything reads them
+    assert "responses = pad_columns(responses, args.response_length, pad_token_id)" in source
+    assert "logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)" in source
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -568,16 +573,28 @@ def test_zero2_bf16_two_processes(tldr, tmp_path):
     assert abs(rows[0]["objective/kl"]) < 1e-3
 
 
-def test_the_folder_and_resume_rules_hold_for_ppo_tldr_too(tmp_path):
-    """ppo_tldr.py shares ppo.py's folder and resume rules (tests/test_faults.py runs them): another run's folder is
-    refused before anything loads, --overwrite and --peer-timeout pass the flag checks, and a misspelled
-    --resume-with-changes is refused by name."""
+def test_the_folder_and_resume_rules_hold_for_ppo_tldr_too(tldr, tmp_path):
+    """ppo_tldr.py shares ppo.py's folder and resume rules (ppo_harness/run_folder.py; tests/test_faults.py and
+    tests/test_harness.py run them): another run's folder is refused before any model loads, --overwrite and
+    --peer-timeout pass the flag checks, and a misspelled --resume-with-changes is refused by name."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
     with pytest.raises(ValueError, match="holds another run"):
-        ppo_tldr.set_up(ppo_tldr.Args(output_dir=str(out)))
-    assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n'
+        ppo_tldr.set_up(tyro.cli(ppo_tldr.Args, args=[*tiny_args(tldr), "--output-dir", str(out)]))
+    assert (out / "metrics.jsonl").read_text() == '{"update": 1}\n' and not (out / ".lock").exists()
     ppo_tldr.check_args(ppo_tldr.Args(overwrite=True, peer_timeout=5.0))
     with pytest.raises(ValueError, match="--resume-with-changes learning_ratee: no such flag"):
         ppo_tldr.check_args(ppo_tldr.Args(resume_with_changes=("learning-ratee",)))
+
+
+def test_the_speed_layer_trains_as_the_plain_forwards_do(tldr, tmp_path):
+    """ppo_tldr.py's speed layer (the fused LM head, and here the static-cache sampler run uncompiled) against
+    --no-fast-paths: the same run to the probes' tolerance, update by update, and the banner says which ran."""
+    args = tiny_args(tldr, "--total-episodes", "32", "--save-every", "0")
+    fast, fast_rows = run_ppo([*args, "--fast-paths", "--sampler", "static"], tmp_path / "fast", script="ppo_tldr.py")
+    plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script="ppo_tldr.py")
+    banner = " ".join(fast.stdout.split())
+    assert "fused LM head on" in banner and "sampler: static KV cache, uncompiled" in banner
+    assert "fast paths: off (--no-fast-paths" in plain.stdout
+    assert_same_run(plain_rows, fast_rows, rel=1e-4)

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
+from ppo_harness.rewards import TrainerState, call_reward_fn, call_reward_fns, reward_fn_kwargs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 
@@ -58,7 +59,7 @@ def test_trainer_keywords_reach_functions_and_their_logs_come_back():
 
     rewards = text_rewards([curriculum, exact], ["curriculum", "exact"])
     scores, components = ppo.score_responses(rewards, torch.tensor([[2, 3], [31, 4]]), RESPONSES, ROWS, 3)
-    assert seen["state"] == ppo.TrainerState(global_step=3, max_steps=4, epoch=1.5)
+    assert seen["state"] == TrainerState(global_step=3, max_steps=4, epoch=1.5)
     assert components["curriculum"].tolist() == [1.0, 0.0] and scores.tolist() == [1.5, 0.5]
     assert components.columns == {"solution": ["w7", "w9"], "score_2": [9, 9], "length": [5, 2], "length_2": [0, 0]}
     assert components.metrics == {"accuracy": [1.0, 0.0]}
@@ -116,7 +117,7 @@ def test_async_functions_run_together_in_the_users_order():
         return fn
 
     kwargs = dict(prompts=["a", "b"], completions=["w7", "w1"], completion_ids=[[8], [2]])
-    scores = ppo.call_reward_fns([(sync(1.0), kwargs, "s1"), (rendezvous("a", 2.0), kwargs, "a"),
+    scores = call_reward_fns([(sync(1.0), kwargs, "s1"), (rendezvous("a", 2.0), kwargs, "a"),
                                   (sync(3.0), kwargs, "s2"), (rendezvous("b", 4.0), kwargs, "b")], "cpu")
     assert [s.tolist() for s in scores] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
     assert order[:2] == [(1.0, True), (3.0, True)] and sorted(order[2:]) == ["a", "b"]
@@ -134,17 +135,17 @@ def test_a_function_that_raises_or_times_out_is_named():
     for fn, name, error in [(judge, "judge.py:judge", "TimeoutError"), (broken, "broken", "KeyError: 'missing'")]:
         with pytest.raises(RuntimeError, match=re.escape(f"--reward-fn {name}, called with the keywords prompts, "
                                                          f"completions, completion_ids, raised {error}")):
-            ppo.call_reward_fn(fn, kwargs, "cpu", name)
+            call_reward_fn(fn, kwargs, "cpu", name)
     with warnings.catch_warnings(record=True) as caught:  # an async function started before a sync one raised
         warnings.simplefilter("always")
         with pytest.raises(RuntimeError, match="--reward-fn broken, "):
-            ppo.call_reward_fns([(judge, kwargs, "judge"), (broken, kwargs, "broken")], "cpu")
+            call_reward_fns([(judge, kwargs, "judge"), (broken, kwargs, "broken")], "cpu")
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]  # is closed, not left unawaited
     # TRL accepts a list of 0-d tensors (what torch ops on one row return); numpy scalars and arrays too
-    assert ppo.call_reward_fn(lambda **kw: [torch.tensor(0.5), np.float32(2.0)], kwargs, "cpu", "t").tolist() == [
+    assert call_reward_fn(lambda **kw: [torch.tensor(0.5), np.float32(2.0)], kwargs, "cpu", "t").tolist() == [
         0.5, 2.0]
-    assert ppo.call_reward_fn(lambda **kw: [np.array(1.0), None], kwargs, "cpu", "t")[0] == 1.0
+    assert call_reward_fn(lambda **kw: [np.array(1.0), None], kwargs, "cpu", "t")[0] == 1.0
 
 
 def test_a_reward_file_that_fails_to_load_is_named(tmp_path):
@@ -201,14 +202,14 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     base, got = server
     served = lambda path, retries=2: ppo.load_reward_fn(base + path, 0.2, retries)  # noqa: E731
     kwargs = dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []], solution=["x", "y"],
-                  trainer_state=ppo.TrainerState(2, 4, 1.0), log_extra=print, log_metric=print)
-    scores = ppo.call_reward_fn(served("/ok"), kwargs, "cpu", base + "/ok")
+                  trainer_state=TrainerState(2, 4, 1.0), log_extra=print, log_metric=print)
+    scores = call_reward_fn(served("/ok"), kwargs, "cpu", base + "/ok")
     assert scores[0] == 5.0 and scores[1].isnan()  # null: the row is not judged
     assert got[-1] == ("/ok", dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []],
                                    solution=["x", "y"], trainer_state=dict(global_step=2, max_steps=4, epoch=1.0)))
     flaky = served("/flaky")
     flaky.backoff = 0.01
-    assert ppo.call_reward_fn(flaky, kwargs, "cpu", "flaky")[0] == 5.0  # two 500s, then an answer
+    assert call_reward_fn(flaky, kwargs, "cpu", "flaky")[0] == 5.0  # two 500s, then an answer
     assert [path for path, _ in got].count("/flaky") == 3
     for path, retries, message in [
             ("/down", 2, "/down failed after 3 tries, the last with HTTP 500"),
@@ -219,9 +220,9 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
         fn.backoff = 0.01
         with pytest.raises(RuntimeError, match=re.escape(f"--reward-fn {base + path}, called with the keywords ")
                            + ".*" + re.escape(message)):
-            ppo.call_reward_fn(fn, kwargs, "cpu", base + path)
+            call_reward_fn(fn, kwargs, "cpu", base + path)
     with pytest.raises(ValueError, match=re.escape("/short, called with the keywords") + ".* expected a list of 2"):
-        ppo.call_reward_fn(served("/short"), kwargs, "cpu", base + "/short")
+        call_reward_fn(served("/short"), kwargs, "cpu", base + "/short")
     assert [path for path, _ in got].count("/missing") == 1
 
 
@@ -236,7 +237,7 @@ def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
     prefix = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]
     queries = ppo.left_pad(ppo.encode_prompts(tok, [prefix, prefix[:1]]), 36)
     answers = torch.tensor([[8, 9, 32], [8, 32, 36]])  # "w7 w8", "w7", each ending its turn
-    completions = ppo.reward_fn_kwargs(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
+    completions = reward_fn_kwargs(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
                                        answers)["completions"]
     assert rendered(tok, [prefix, prefix[:1]], completions) == ppo.reward_model_texts(
         tok, tok, [prefix, prefix[:1]], queries, answers, chat=True)

@@ -1,0 +1,13 @@
+"""The harness of ppo.py and ppo_tldr.py: what no experiment edits, written once and imported by both scripts. It
+imports neither script, computes no loss and steps no optimizer (the scripts hold the algorithm). Each module has one
+concern and reads alone:
+
+- `launch`: the flags' intervals, accelerate's processes and DeepSpeed's settings, every machine launched alike;
+- `run_folder`: the run's folder (lock, claim, the resume check), checkpoints with checksums, the models at the end;
+- `run_log`: the banner, metrics.jsonl, TensorBoard, wandb, the console line;
+- `prompt_files`: prompt files loaded with every bad line or row named, and the default run's prompts;
+- `models`: model files (a GGUF converted once, weight files checked), a model's parts, DeepSpeed ZeRO-3's handling;
+- `rewards`: reward functions as TRL calls them (sync, async, served over HTTP), their checks and metrics;
+- `speed`: exact shortcuts behind the scripts' plain forwards, each switched on by a start-up probe (optional: without
+  it the scripts run as with --no-fast-paths).
+"""

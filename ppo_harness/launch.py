@@ -1,0 +1,81 @@
+"""Starting a run: each numeric flag within its interval (written into `Args` as Annotated[type, "[low, high)"]), then
+accelerate's processes (DeepSpeed's settings made the flags'), and every machine launched alike."""
+import hashlib
+import os
+from dataclasses import asdict
+from datetime import timedelta
+from typing import get_type_hints
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    return (low <= value if interval[0] == "[" else low < value) and (value <= high if interval[-1] == "]" else
+                                                                       value < high)
+
+
+def flag_intervals(args_class) -> dict[str, str]:
+    """Each numeric flag's valid interval, from its Annotated[type, "[low, high)"] in `Args` (a None is no value)."""
+    return {name: hint.__metadata__[0] for name, hint in get_type_hints(args_class, include_extras=True).items()
+            if hasattr(hint, "__metadata__")}
+
+
+def check_flags(args) -> None:
+    """Refuse a numeric flag outside its interval, a --resume-with-changes that names no flag, or --resume auto
+    without the folder to look in, by name."""
+    if args.resume == "auto" and not args.output_dir:
+        raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+    unknown = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes} - set(asdict(args))
+    if unknown:
+        raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
+    for name, interval in flag_intervals(type(args)).items():
+        value = getattr(args, name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and not in_interval(v, interval):
+                raise ValueError(f"--{name.replace('_', '-')} {v} is out of range: it must lie in {interval}")
+
+
+def start(args) -> tuple[Accelerator, bool]:
+    """(the Accelerator, whether DeepSpeed ZeRO-3 shards the models). One optimizer step per minibatch needs the
+    script's accumulation: a launcher's or DeepSpeed config's other value is refused (accelerate quietly prefers it).
+    No DataLoader is prepared (the scripts' `rollout_indices`): with one, accelerate would also step after every
+    micro-batch of each update that used an epoch's last batch (its sync_with_dataloader default), a latent TRL bug.
+    A process whose peer died stops after --peer-timeout minutes in a collective: one bound on NCCL and gloo."""
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, kwargs_handlers=[
+        InitProcessGroupKwargs(timeout=timedelta(minutes=args.peer_timeout))])
+    check_same_launch(accelerator, args)
+    ds_plugin = accelerator.state.deepspeed_plugin
+    ds_accumulation = ds_plugin.deepspeed_config.get("gradient_accumulation_steps", "auto") if ds_plugin else "auto"
+    if accelerator.gradient_accumulation_steps != args.gradient_accumulation_steps or ds_accumulation not in (
+            "auto", args.gradient_accumulation_steps):
+        raise ValueError(f"gradient accumulation: the launcher or DeepSpeed config says "
+                         f"{ds_accumulation if ds_accumulation != 'auto' else accelerator.gradient_accumulation_steps}"
+                         f", --gradient-accumulation-steps says {args.gradient_accumulation_steps}: remove it from "
+                         "the config and set the flag")
+    zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+    if ds_plugin is not None:  # no DataLoader to infer the micro-batch from; DeepSpeed clips inside its own step
+        ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm or 0.0
+    if zero3:  # the final save consolidates the shards into one loadable checkpoint
+        ds_plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    return accelerator, zero3
+
+
+def check_same_launch(accelerator: Accelerator, args) -> None:
+    """Machines launched with other flags or process counts would train apart or hang in a collective."""
+    if accelerator.num_processes == 1:
+        return
+    flags = int.from_bytes(hashlib.sha256(repr(args).encode()).digest()[:7], "big")
+    local = torch.tensor([[flags, int(os.environ.get("LOCAL_WORLD_SIZE", 1))]], device=accelerator.device)
+    launches = accelerator.gather(local).tolist()  # (flags, processes on its machine) per process
+    if any(f != launches[0][0] for f, _ in launches):
+        raise ValueError(f"processes {[r for r, (f, _) in enumerate(launches) if f != launches[0][0]]} were launched "
+                         "with other flags than process 0: start every machine with the same command (only "
+                         "--machine_rank differs)")
+    if any(size != launches[0][1] for _, size in launches):
+        raise ValueError(f"the machines run different numbers of processes ({sorted({s for _, s in launches})}): "
+                         "give every machine's launcher the same --num_processes, the total over all machines")

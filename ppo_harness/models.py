@@ -1,0 +1,170 @@
+"""Models as files and as modules: a hub id, folder or GGUF file resolved to a loadable folder, the checks a model's
+files get before anything loads, the parts of a transformers model the scripts reach into (its blocks, the model
+inside a peft wrapper), and DeepSpeed ZeRO-3's handling of models built, initialised and sampled from while sharded."""
+import copy
+import importlib.util
+import json
+import os
+import shutil
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from peft import PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ppo_harness.run_folder import temporary_name
+
+
+def check_sft_adapters(args, sft_adapters: dict[str, Path]) -> None:
+    """Refuse a peft checkpoint as SFT model whose adapters this script cannot train or use as reference."""
+    for name, path in sft_adapters.items():
+        peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
+        if peft_type in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT"):
+            raise ValueError(f"--sft-model-path {args.sft_model_path}: adapter {name!r} is {peft_type}, which changes "
+                             "what every block sees (no frozen trunk, no adapter-free reference): give a checkpoint "
+                             "with a LoRA-style adapter, or a merged model")
+    if sft_adapters and not args.use_peft:
+        raise ValueError(f"--sft-model-path {args.sft_model_path} is a peft checkpoint (adapters "
+                         f"{sorted(sft_adapters)}): add --use-peft to train with it")
+    if args.ref_adapter_name is not None and args.ref_adapter_name not in sft_adapters:
+        raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: --sft-model-path {args.sft_model_path} carries "
+                         f"no such adapter (it carries {sorted(sft_adapters) or 'none'})")
+
+
+def check_weight_files(flag: str, path: str | None) -> None:
+    """Refuse a local model's unreadable or truncated .safetensors file by path (safetensors names none)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")) if path and Path(path).is_dir() else []:
+        try:
+            with safe_open(str(file), "pt"):  # reads the header, checks the file is as long as it says
+                pass
+        except Exception as error:
+            raise ValueError(f"{flag} {path}: {file} cannot be read ({type(error).__name__}: {error}): truncated or "
+                             "unreadable; copy or download it again") from None
+
+
+def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_code: bool = False):
+    """Refuse a reward/value model that is not a one-label sequence classifier, before loading any weights."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = config.architectures or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_head and not is_classifier:
+        raise ValueError(f"{role} {path}: architectures {archs} is not a sequence classifier "
+                         "(AutoModelForSequenceClassification with num_labels=1)")
+    if is_classifier and config.num_labels != 1:
+        raise ValueError(f"{role} {path}: has num_labels={config.num_labels}; a scalar model needs num_labels=1")
+    return config
+
+
+def unpeft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (whose LoRA layers are injected in place), or the model itself."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The attribute name and the list of transformer blocks of a transformers model's backbone."""
+    for name, child in unpeft(model).base_model.named_children():
+        if isinstance(child, nn.ModuleList):
+            return name, child
+    raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
+
+
+def resolve_model_path(path: str) -> str:
+    """A hub id or directory as it is; a GGUF file (or `package/file.gguf`) dequantised once into cache/."""
+    if not path.endswith(".gguf"):
+        # a path that cannot be a hub id ('name' or 'namespace/name') must exist: else the hub client's complaint
+        # about repo id syntax would be all the user sees
+        if (path.startswith(("/", ".", "~")) or path.count("/") > 1) and not Path(path).expanduser().exists():
+            raise ValueError(f"{path}: no such model directory")
+        return path
+    gguf = Path(path)
+    if not gguf.is_file():
+        package, _, inner = path.partition("/")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"{path}: no such GGUF file, and {package!r} is no installed package")
+        gguf = Path(spec.submodule_search_locations[0]) / inner
+        if not gguf.is_file():
+            raise ValueError(f"{path}: package {package!r} has no file {inner!r}")
+    out = Path("cache") / gguf.stem
+    if not (out / "config.json").exists():
+        print(f"converting {gguf} to {out} (once)")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = quantized.config
+        del config.quantization_config  # a GGUF-loaded model refuses save_pretrained: copy it into a clean one
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(quantized.state_dict())
+        tmp = temporary_name(out)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out)  # complete or absent: a killed conversion is redone, never half-read
+        except OSError:  # fine if another run converted it meanwhile
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)
+    return str(out)
+
+
+def checkpoint_adapters(path: str) -> dict[str, Path]:
+    """The adapters of a peft checkpoint directory by name (`default` at its root); empty for a plain model."""
+    root = Path(path)
+    if not root.is_dir():
+        return {}
+    found = {"default": root} if (root / "adapter_config.json").is_file() else {}
+    found.update({d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()})
+    return found
+
+
+@contextmanager
+def outside_zero_init(ds_plugin):
+    """Build a model outside ZeRO-3's zero.Init (a meta-device skeleton cannot be initialised inside it)."""
+    if ds_plugin is None or ds_plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        ds_plugin.set_deepspeed_weakref()
+
+
+def gathered_for_init(params):
+    """Whole tensors of ZeRO-3-sharded parameters to initialise in place, written back from rank 0."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def shard_frozen(model: nn.Module, ds_config: dict) -> None:
+    """A frozen model as a ZeRO-3 inference engine (TRL's prepare_deepspeed), called as before; the engine is
+    kept on the model (discarding it would remove its hooks)."""
+    import deepspeed
+
+    config = copy.deepcopy({k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")})
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
+
+
+@contextmanager
+def policy_for_generation(accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
+    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the weights
+    are gathered once per rollout (TRL's ds3_gather_for_generation)."""
+    policy = accelerator.unwrap_model(model).policy
+    if zero3 and gather_weights:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield policy, False
+    else:
+        yield policy, zero3

@@ -1,0 +1,97 @@
+"""What a run reports: the banner at its start (the batch arithmetic and each model's memory), then per update a line
+in metrics.jsonl, TensorBoard's points (CleanRL's logging; wandb syncs them with --track), a console line and the
+progress bar, all on the main process."""
+import json
+from dataclasses import asdict
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
+
+from ppo_harness.run_folder import LOGS, RunFolder, keep_rows_before, write_args
+
+CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
+                   "eval/scores", "eval/kl", "objective/validation_score")  # those a run logs, on its console line
+
+
+class RunLog:
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process).
+    Opening it writes args.json and drops the logs' rows of the updates a resumed run redoes."""
+
+    def __init__(self, args, accelerator, folder: RunFolder, num_updates: int, start_update: int, console):
+        self.main_process, self.track, self.num_updates = accelerator.is_main_process, args.track, num_updates
+        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                                 disable=not self.main_process)
+        self.task = self.progress.add_task("PPO updates", total=num_updates, completed=start_update - 1)
+        if not self.main_process:
+            return
+        write_args(folder.path, args, folder.run_name, folder.changes, start_update)
+        first = start_update if start_update > 1 else 0  # a run started over logs its update 0 again
+        for log in LOGS:
+            keep_rows_before(folder.path / log, first)
+        self.metrics_file = open(folder.path / "metrics.jsonl", "a")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=folder.run_name, sync_tensorboard=True, save_code=True)
+        # TensorBoard drops the points of the updates a resumed run redoes
+        self.writer = SummaryWriter(str(folder.path), purge_step=first)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in asdict(args).items()))
+
+    def log(self, update: int, metrics: dict) -> None:
+        if not self.main_process:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, update)
+        self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
+            f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
+
+    def table(self, name: str, rows: list[dict]) -> None:
+        """A table of rows (held-out samples) to wandb with --track; the script writes its own files."""
+        if self.main_process and self.track and rows:
+            import wandb
+
+            wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.main_process:
+            self.metrics_file.close()
+            self.writer.close()
+            if self.track:
+                import wandb
+
+                wandb.finish()
+
+
+def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: int, notes: list[str]) -> None:
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
+    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
+    steps = args.num_ppo_epochs * args.num_mini_batches
+    console.print(f"[bold]{run_name}[/bold]\n"
+                  f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
+                  f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
+                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}"
+                  f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
+                  f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
+    for note in notes:
+        console.print(f"  {note}", highlight=False, markup=False)
+    table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
+    for name, model in models.items():
+        if model is None:
+            continue
+        params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
+        weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
+        training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
+        training /= sizes.world_size if zero_stage >= 2 else 1
+        table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
+                      f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
+                      f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
+                      f"{(weights + training) / 2**30:.2f} GiB")
+    console.print(table)

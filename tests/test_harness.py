@@ -1,0 +1,183 @@
+"""ppo_harness/ tested directly, without a training run: it imports neither script and holds no algorithm; the run
+folder (claim, lock, resume check, checkpoints, logs), the run log, the flags' intervals and the prompt files."""
+import ast
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from conftest import ROOT
+from ppo_harness import launch, prompt_files, run_folder, run_log
+
+HARNESS = sorted((ROOT / "ppo_harness").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", HARNESS, ids=lambda p: p.name)
+def test_the_harness_imports_neither_script_and_holds_no_algorithm(path):
+    tree = ast.parse(path.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+        (n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"ppo", "ppo_tldr"}, f"{path.name} imports a script"
+    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not calls & {"backward", "step", "zero_grad", "clip_grad_norm_"}, f"{path.name} trains: {calls}"
+    names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not names & {"policy_loss", "value_loss", "compute_gae", "compute_rewards"}
+
+
+@dataclasses.dataclass
+class Flags:  # what the run folder reads of a script's Args
+    exp_name: str = "test"
+    seed: int = 1
+    output_dir: str | None = None
+    resume: str | None = None
+    resume_with_changes: tuple[str, ...] = ()
+    overwrite: bool = False
+    peer_timeout: float = 30.0
+    learning_rate: Annotated[float, "[0, inf)"] = 1e-3
+    save_every: Annotated[int, "[0, inf)"] = 0
+    track: bool = False
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator(cpu=True)
+
+
+STATE = dict(seed=1, batch_size=8, num_updates=4, num_prompts=40, num_processes=1)
+
+
+def claim(accelerator, out, **flags):
+    return run_folder.claim(accelerator, Flags(output_dir=str(out), **flags), STATE, {"save_every"})
+
+
+def test_claim_takes_a_new_folder_and_refuses_another_runs(accelerator, tmp_path):
+    out = tmp_path / "run"
+    folder = claim(accelerator, out)
+    assert folder.path == out and folder.checkpoint is None and folder.run_name.startswith("test__1__")
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    with pytest.raises(ValueError, match="holds another run"):
+        claim(accelerator, out)
+    assert (out / "metrics.jsonl").exists()
+    claim(accelerator, out, overwrite=True)
+    assert not (out / "metrics.jsonl").exists()
+    (out / ".lock").write_text("other-host 4242")  # another host's live lock
+    with pytest.raises(ValueError, match="in use by the run of process 4242 on host other-host"):
+        claim(accelerator, out)
+
+
+def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, tmp_path):
+    out = tmp_path / "run"
+    folder = claim(accelerator, out)
+    run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
+    run_folder.save_checkpoint(accelerator, folder.checkpoints, dict(update=2, **STATE), None)
+    resumed = claim(accelerator, out, resume="auto", save_every=2)
+    assert resumed.checkpoint == out / "checkpoints" / "update-000002" and resumed.saved["update"] == 2
+    assert resumed.changes == {"save_every": [0, 2]} and resumed.banner_lines() == [
+        "resumed with --save-every changed from 0 to 2"]
+    with pytest.raises(ValueError, match="flags differ from the run's"):
+        claim(accelerator, out, resume="auto", learning_rate=0.5)
+    assert claim(accelerator, out, resume="auto", learning_rate=0.5,
+                 resume_with_changes=("learning-rate",)).changes == {"learning_rate": [1e-3, 0.5]}
+    with pytest.raises(ValueError, match=r"the run's settings changed \(saved, now\): \{'num_prompts': \(40, 41\)\}"):
+        run_folder.claim(accelerator, Flags(output_dir=str(out), resume="auto"), {**STATE, "num_prompts": 41}, set())
+
+
+def test_checkpoints_are_verified_and_pruned(accelerator, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for update in (1, 2, 3):
+        run_folder.save_checkpoint(accelerator, checkpoints, {"update": update}, 2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000002", "update-000003"]
+    assert run_folder.find_checkpoint("auto", tmp_path) == (checkpoints / "update-000003", [])
+    state = checkpoints / "update-000003" / "trainer_state.json"
+    state.write_text(state.read_text().replace("3", "4"))  # changed since written
+    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    assert found == checkpoints / "update-000002" and "differs from its checksum" in notes[0]
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        run_folder.find_checkpoint(str(tmp_path), None)
+
+
+def test_logs_keep_the_rows_before_a_resume_and_name_a_bad_line(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"update": 1}\n{"update": 2}\n{"update": 3, "obj')  # the last line torn by a kill
+    run_folder.keep_rows_before(log, 2)
+    assert log.read_text() == '{"update": 1}\n'
+    log.write_text('{"update": 1}\n{"upd\n{"update": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        run_folder.log_rows(log)
+
+
+def test_a_full_disk_is_named_with_the_folder(tmp_path):
+    with pytest.raises(OSError, match=f"no space left on device: writing {tmp_path} failed"):
+        with run_folder.disk_space_named(tmp_path):
+            raise OSError(28, "No space left on device")
+    with pytest.raises(KeyError):  # another error passes through as it is
+        with run_folder.disk_space_named(tmp_path):
+            raise KeyError("x")
+
+
+def test_the_run_log_writes_args_metrics_and_tensorboard(accelerator, tmp_path):
+    folder = claim(accelerator, tmp_path / "run")
+    from rich.console import Console
+
+    log = run_log.RunLog(Flags(output_dir=str(folder.path)), accelerator, folder, 2, 1, Console(quiet=True))
+    log.log(1, {"objective/scores": 0.5})
+    log.close()
+    assert json.loads((folder.path / "args.json").read_text())["run_name"] == folder.run_name
+    assert [json.loads(line) for line in (folder.path / "metrics.jsonl").read_text().splitlines()] == [
+        {"update": 1, "objective/scores": 0.5}]
+    assert list(folder.path.glob("events.out.tfevents.*"))
+
+
+def test_the_banner_estimates_each_models_memory(capsys):
+    from rich.console import Console
+
+    sizes = type("Sizes", (), dict(world_size=2, batch_size=8, local_batch_size=4, mini_batch_size=4,
+                                   local_mini_batch_size=2, num_updates=3))
+    flags = type("Args", (), dict(num_ppo_epochs=1, num_mini_batches=2, gradient_accumulation_steps=1,
+                                  per_device_train_batch_size=2, total_episodes=24))
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 1M float32 weights, trained: 4 + 4 + 8 bytes each
+    run_log.print_banner(Console(width=200), "run", flags, sizes, {"policy": model, "none": None}, 2, ["a note"])
+    out = capsys.readouterr().out
+    # ZeRO-2 shards the gradient and Adam's moments over 2 processes: 4 MB + 12 MB / 2 = 10 MB
+    assert "a note" in out and f"{(4e6 + 12e6 / 2) / 2**30:.2f} GiB" in out and "1.0M" in out
+
+
+def test_flags_out_of_their_interval_are_refused_by_name():
+    launch.check_flags(Flags())
+    with pytest.raises(ValueError, match=r"--learning-rate -1.0 is out of range: it must lie in \[0, inf\)"):
+        launch.check_flags(Flags(learning_rate=-1.0))
+    with pytest.raises(ValueError, match="--resume-with-changes learning_ratee: no such flag"):
+        launch.check_flags(Flags(resume_with_changes=("learning-ratee",)))
+    assert launch.flag_intervals(Flags) == {"learning_rate": "[0, inf)", "save_every": "[0, inf)"}
+
+
+def test_prompt_files_load_and_name_what_is_wrong(tmp_path):
+    path = tmp_path / "posts.jsonl"
+    path.write_text("".join(json.dumps({"title": "t", "post": p}) + "\n" for p in ("a", None, "c")))
+    dataset = prompt_files.load_prompt_dataset(str(path), None, "ignored", "--eval-dataset-name")
+    assert len(dataset) == 3
+    with pytest.raises(ValueError, match=f"--x {path}: row 1's post is None, not text"):
+        prompt_files.check_text_columns(dataset, f"--x {path}", ("title", "post"))
+    with pytest.raises(ValueError, match=r"columns \['summary'\] are missing"):
+        prompt_files.check_text_columns(dataset, "x", ("summary",))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no rows could be read"):
+        prompt_files.load_prompt_dataset(str(tmp_path / "empty.jsonl"), None, "train")
+    with pytest.raises(ValueError, match="unsupported file type '.txt'"):
+        (tmp_path / "a.txt").write_text("x")
+        prompt_files.load_prompt_dataset(str(tmp_path / "a.txt"), None, "train")
+
+
+def test_writes_are_whole_or_absent(tmp_path):
+    path = tmp_path / "f.json"
+    run_folder.write_atomic(path, "one")
+    run_folder.write_atomic(path, "two")
+    assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    assert run_folder.temporary_name(path).parent == tmp_path and run_folder.temporary_name(path).name.startswith(".")
