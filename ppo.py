@@ -1236,11 +1236,13 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     return logprobs_from_logits(logits, response_ids), entropy
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None):
     """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
-    on the policy, whose LM head does not run) or the value model's `score`."""
-    hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
-    return (value_model.score if head is None else head)(hidden).squeeze(-1).float()
+    on the policy, whose LM head does not run) or the value model's `score`; `hidden`: the final hidden states, if a
+    forward already computed them (the policy's in training)."""
+    if hidden is None:
+        hidden = final_hidden_states(value_model, query_responses, pad_token_id)
+    return (value_model.score if head is None else head)(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
 
 class PolicyAndValueWrapper(nn.Module):
@@ -1267,7 +1269,8 @@ class PolicyAndValueWrapper(nn.Module):
         finally:
             hook.remove()
         if self.value_head is not None:
-            return logprobs, entropy, self.value_head(hidden[0][:, context_length - 1 : -1]).squeeze(-1).float()
+            return logprobs, entropy, value_forward(self.policy, query_responses, pad_token_id, context_length,
+                                                    self.value_head, hidden[0])
         return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
 
 

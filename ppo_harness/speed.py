@@ -45,7 +45,12 @@ class SpeedLayer:
                     num_frozen[name] = frozen
         fused_head = not setup.zero3 and fused_head_is_exact(script, policy, first_queries, pad_token_id,
                                                               args.temperature)
-        self.paths = self.update = FastPaths(script, fused_head, num_frozen, value_shares_trunk and len(num_frozen) == 2)
+        paths = FastPaths(script, fused_head, num_frozen, value_shares_trunk and len(num_frozen) == 2)
+        # the shortcuts together against the script's own forwards (an edited one included), else none of them
+        self.edited = (paths.fused_head or bool(paths.num_frozen)) and not paths_are_exact(
+            paths, policy, value_model, value_head, first_queries, pad_token_id, args.temperature)
+        self.paths = self.update = FastPaths(script) if self.edited else paths
+        num_frozen = self.paths.num_frozen
         self.static, self.static_note = None, "dynamic KV cache"
         self.keep_candidates = tuple(name for name, use in (("trunk", "policy" in num_frozen),
                                                             ("final", value_head is not None)) if use)
@@ -82,6 +87,9 @@ class SpeedLayer:
     def describe(self) -> str:
         """The banner's line: the paths the start-up probes found exact (the others compute in full)."""
         p = self.paths
+        if self.edited:
+            return f"fast paths: off (the shortcuts differ from the script's forwards: an edited forward); sampler: " \
+                   f"{self.static_note}"
         trunks = ", ".join(f"{name} {n} blocks" for name, n in p.num_frozen.items()) or "none"
         refused = f" (refused, a KV cache's differ here: {', '.join(p.refused)})" if p.refused else ""
         return (f"fast paths: fused LM head {'on' if p.fused_head else 'off'}; frozen trunks: {trunks}; kept "
@@ -214,14 +222,15 @@ class FastPaths:
         return s.logprobs_from_logits(logits, response_ids), entropy
 
     def value_forward(self, value_model, query_responses, pad_token_id, context_length, head=None):
-        """`value_forward`, from a trunk, or (a value head) from the final states sampling kept; else the script's."""
+        """The script's `value_forward`, from the final hidden states a trunk gives, or (a value head) that sampling
+        kept; where neither is held, the script's forward whole."""
         trunk = self.trunk("value" if head is None else "policy")
         if trunk is None and (head is None or self.final_hidden is None):
             return self.script.value_forward(value_model, query_responses, pad_token_id, context_length,
                                              *(() if head is None else (head,)))
-        hidden = (self.final_hidden if head is not None and self.final_hidden is not None else trunk_hidden_states(
-            self.script, value_model, query_responses, pad_token_id, self.trunk("value" if head is None else "policy")))
-        return (value_model.score if head is None else head)(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+        hidden = self.final_hidden if head is not None and self.final_hidden is not None else trunk_hidden_states(
+            self.script, value_model, query_responses, pad_token_id, trunk)
+        return self.script.value_forward(value_model, query_responses, pad_token_id, context_length, head, hidden)
 
     def kept(self, pieces: dict, real: torch.Tensor, lengths: list[int], total_length: int) -> "FastPaths":
         """These paths with the states `kept_while_sampling` kept while chunks of queries (`real`: their tokens, not
@@ -423,6 +432,23 @@ def fused_head_is_exact(script, policy, query_responses: torch.Tensor, pad_token
         plain = script.response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature,
                                          with_entropy=True)
         return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(fused, plain))
+
+
+def paths_are_exact(paths: FastPaths, policy, value_model, value_head, query_responses: torch.Tensor,
+                    pad_token_id: int, temperature: float) -> bool:
+    """Whether these paths' log-probs, entropies and values (their trunks computed) are the script's own forwards' on
+    these sequences, to `fused_head_is_exact`'s tolerance: a script whose forward was edited falls back to it."""
+    ids = query_responses[:, 1:].masked_fill(query_responses[:, 1:] == pad_token_id, 0)
+    models = {"policy": policy, "value": value_model}
+    script, value = paths.script, (policy, value_head) if value_head is not None else (value_model,)
+    with torch.no_grad():
+        fast = paths.with_trunks(models, query_responses, pad_token_id)
+        pairs = list(zip(fast.response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, True),
+                         script.response_logprobs(policy, query_responses, pad_token_id, 1, ids, temperature, True)))
+        if value[0] is not None:
+            pairs.append((fast.value_forward(value[0], query_responses, pad_token_id, 1, *value[1:]),
+                          script.value_forward(value[0], query_responses, pad_token_id, 1, *value[1:])))
+        return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in pairs)
 
 
 @contextmanager

@@ -444,6 +444,34 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
         assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
 
 
+def test_an_edited_forward_is_followed_or_switches_the_shortcuts_off(assets):
+    """The speed layer computes the script's forwards through its shortcuts. A copier's edited `value_forward` (here
+    doubled) is what the shortcuts call on the hidden states they hold, so it takes effect there too; an edited
+    `response_logprobs` no longer matches the fused head, so the start-up probe runs the plain path instead."""
+    import types
+
+    policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
+    head = ppo.new_value_head(32)
+    torch.nn.init.normal_(head.weight)
+    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10]], PAD)
+    edited = {}
+    for name in ("value_forward", "response_logprobs"):
+        edited[name] = types.ModuleType(f"edited_{name}")
+        edited[name].__dict__.update(vars(ppo))
+        plain = getattr(ppo, name)
+        setattr(edited[name], name, lambda *a, f=plain, n=name, **k: tuple(2 * t for t in f(*a, **k)) if n ==
+                "response_logprobs" else 2 * f(*a, **k))
+    assert speed.paths_are_exact(speed.FastPaths(ppo, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
+    script = edited["value_forward"]
+    fast = speed.FastPaths(script, True, {"policy": 1})
+    assert speed.paths_are_exact(fast, policy, None, head, qr, PAD, 0.7)
+    with torch.no_grad():
+        torch.testing.assert_close(fast.with_trunks({"policy": policy}, qr, PAD).value_forward(policy, qr, PAD, 2, head),
+                                   2 * ppo.value_forward(policy, qr, PAD, 2, head))
+    script = edited["response_logprobs"]
+    assert not speed.paths_are_exact(speed.FastPaths(script, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
+
+
 @pytest.mark.parametrize("num_frozen", [1, 2])
 def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     """Qwen2 (like Gemma 3, Cohere2, Ministral...) picks block i's mask as config.layer_types[i] by loop position: the
