@@ -1,11 +1,8 @@
-# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to bottom. Docs: README.md.
-# The order: `Args`, the PPO math, `main` (the loop, phase by phase), then what it calls, in call order: the set-up
-# (data, tokenizer, rewards), the models, the plain forwards, the scores, one update's steps, the held-out evaluation.
-# "ALGO LOGIC" marks where an experiment's change goes. What no experiment edits (the run's folder and checkpoints, the
-# reward-function protocol, prompt-file checks, the speed layer) lives in ppo_harness/, beside this file.
-# Follows TRL's PPOTrainer (flag and metric names) and "The N+ Implementation Details of RLHF with PPO"
-# (Huang et al., 2024; github.com/vwxyzjn/summarize_from_feedback_details). Where TRL had a bug, the fix is named
-# in a comment with the word "TRL".
+# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to bottom: `Args`, the PPO
+# math, `main` phase by phase, then what it calls in call order. "ALGO LOGIC" marks where an experiment's change goes;
+# what none edits (run folder, reward-function protocol, file checks, speed layer) is in ppo_harness/. Docs: README.md.
+# TRL's PPOTrainer's flag and metric names; "N+ detail k": "The N+ Implementation Details of RLHF with PPO" (Huang et
+# al., 2024); a fix of a TRL bug names "TRL".
 import json
 import math
 import random
@@ -48,13 +45,14 @@ except ModuleNotFoundError as missing:
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 # flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
-RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every",
-                     "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
-                     "trust_remote_code", "ds3_gather_for_generation", "gradient_checkpointing", "merge_adapter"}
+RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir",
+                     "eval_every", "save_every", "save_total_limit", "resume", "overwrite",
+                     "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation",
+                     "gradient_checkpointing", "merge_adapter"}
 
 
 @dataclass
-class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low, high)"], checked by `check_args`
+class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's valid interval: Annotated[type, "[lo, hi)"]
     # common args
     exp_name: str = Path(__file__).stem
     """the name of this experiment"""
@@ -170,7 +168,7 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
-    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Training in the memory of one model")
+    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Recipe: LoRA and one model's memory")
     use_peft: bool = False
     """train a LoRA adapter instead of the policy's weights; the reference is the policy with the adapter off"""
     lora_r: Annotated[int, "[1, inf)"] = 16
@@ -212,11 +210,9 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the shards, slowly)"""
     fast_paths: bool = True
-    """the exact shortcuts of the speed layer (the file's last section), each where its start-up probe passes;
-    --no-fast-paths: the plain forwards alone"""
+    """ppo_harness/speed.py's exact shortcuts, each where its start-up probe passes (off: the plain forwards alone)"""
     sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
-    """auto: on CUDA a static KV cache compiled into CUDA graphs (once its start-up probe passes), else `dynamic`,
-    transformers' growing cache; `static`: the static cache uncompiled; `compiled`: compiled on any device"""
+    """auto: a static KV cache in CUDA graphs on CUDA where probed exact, else dynamic; static: uncompiled"""
 
     def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
         for name in ("reward_model_path", "reward_fn"):
@@ -234,7 +230,8 @@ class BatchSizes(NamedTuple):
     num_updates: int
 
 
-def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
+def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size,
+                total_episodes):
     """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
@@ -245,17 +242,16 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
     local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * num_mini_batches
     batch_size = local_batch_size * world_size
-    return BatchSizes(world_size, local_mini_batch_size, local_batch_size, local_mini_batch_size * world_size,
-                      batch_size, math.ceil(total_episodes / batch_size))
+    return BatchSizes(world_size, local_mini_batch_size, local_batch_size,
+                      local_mini_batch_size * world_size, batch_size, math.ceil(total_episodes / batch_size))
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
-    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order.
-    Seeded by seed + pass alone: a second prompt source drawn apart with the same seed would follow the same order
-    (the README mixes one into the first instead)."""
-    per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a shared permutation
+    per pass over the data, seeded by seed + pass, so a resumed run continues the data order (no DataLoader)."""
+    per_update = sizes.batch_size // num_generations
+    per_rank = sizes.local_batch_size // num_generations
     if num_prompts < per_update:
         raise ValueError(f"{num_prompts} prompts: fewer than the {per_update} one update samples")
     epoch, batch = divmod(update - 1, num_prompts // per_update)
@@ -271,7 +267,8 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     return torch.min(zero_or_index, dim=-1).values
 
 
-def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+def truncate_response(stop_token_id: int, pad_token_id: int,
+                      responses: torch.Tensor) -> torch.Tensor:
     """Replace every token after the first stop token with pad; the stop token itself is kept (N+ detail 21)."""
     trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
     idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
@@ -281,7 +278,8 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
     width = max(len(s) for s in sequences)
-    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    rows = [[pad_token_id] * (width - len(s)) + list(s) for s in sequences]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
@@ -291,8 +289,7 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
-    exactly 1 (N+ detail 23)."""
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -300,8 +297,7 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
-    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
+    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in float64."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -309,12 +305,12 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
-    return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits): -sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels to 5e-4
-    over a 49k vocabulary in float32); p = 0 columns (a finfo.min pad) left out of the sum."""
+    """-sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels in float32); p = 0 (pad) left out."""
     logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     p = logp.exp()
     return -torch.where(p > 0, p * logp, 0).sum(-1)
@@ -328,20 +324,22 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The unbiased variance of the unmasked entries (TRL's)."""
     n = mask.sum()
     if n < 2:
-        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, "
+                         f"got {int(n)}")
     return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
+                  shift_mean: bool = True) -> torch.Tensor:
     """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds the mean back."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
 
-def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
-    the value where the score lands (N+ detail 25)."""
+def padding_masks(sequence_lengths: torch.Tensor,
+                  response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
@@ -360,10 +358,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
 
 
-def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, estimator: str) -> torch.Tensor:
+def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
+             estimator: str) -> torch.Tensor:
     """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or `kl_penalty`'s estimate."""
-    return (full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)).masked_fill(
-        padding_mask, 0)
+    kl = full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)
+    return kl.masked_fill(padding_mask, 0)
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -372,15 +371,15 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
-def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float, num_episodes: int) -> float:
+def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: float,
+                     num_episodes: int) -> float:
     """Ziegler et al.'s controller: beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
     proportional_error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + proportional_error * num_episodes / kl_horizon)
 
 
 class RunningMoments:
-    """Mean and variance of every score so far (Chan et al.'s parallel update); the first batch replaces the
-    start (0, 1), as classic TRL."""
+    """Mean and variance of every score so far (Chan et al.); the first batch replaces (0, 1), as classic TRL."""
 
     def __init__(self, mean: float = 0.0, var: float = 1.0, count: float = 1e-24):
         self.mean, self.var, self.count = mean, var, count
@@ -400,9 +399,9 @@ class RunningMoments:
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token, or on it if the response fills every position
-    (TRL/SFD `actual_end`)."""
-    return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
+    """One past the last real token, or on it if the response fills every position (TRL/SFD `actual_end`)."""
+    after_last = sequence_lengths + 1
+    return torch.where(after_last < response_length, after_last, sequence_lengths)
 
 
 def compute_rewards(scores, kl, kl_coef, sequence_lengths):
@@ -415,14 +414,13 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
 
 
 def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
-    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, and GAE
-    carried it into the advantages)."""
-    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, for GAE)."""
+    whitened = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
+    return whitened.masked_fill(padding_mask_p1, 0)
 
 
 def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27). One real token has no spread to scale
-    by: it is only centred, to 0 (masked_var refuses fewer than 2 values)."""
+    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token is centred, to 0."""
     if int((~padding_mask).sum()) < 2:
         return torch.zeros_like(advantages)
     return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
@@ -443,8 +441,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
-    (TRL averaged them over padding)."""
+    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), all masked (TRL averaged over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -470,13 +467,13 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
-# ---- main: the PPO loop, phase by phase; the plumbing it calls follows it, section by section ------------------------
+# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order --------------------------------------
 def main(args: Args) -> None:
-    # 0. Set-up: every check runs before any model loads, the run's folder taken last; then the models, seeds, a
-    # resumed checkpoint, the logs
+    # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, forwards, sizes, folder = models.model, models.optimizer, models.forwards, setup.sizes, setup.folder
+    model, optimizer, forwards = models.model, models.optimizer, models.forwards
+    sizes, folder = setup.sizes, setup.folder
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
     console = Console()
@@ -510,8 +507,7 @@ def main(args: Args) -> None:
         run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, console)})
     for update in range(start_update, sizes.num_updates + 1):
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
-        # ALGO LOGIC: schedules go here; the lr anneals linearly per update (N+ detail 29; a torch scheduler would be
-        # overwritten). A temperature or KL schedule: from `update` and a start value kept before the loop
+        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`: the lr anneals linearly (N+ 29)
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
             group["lr"] = anneal * group["initial_lr"]
@@ -552,10 +548,9 @@ def main(args: Args) -> None:
             values = values.masked_fill(padding_mask_p1, 0)
             kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
-            # ALGO LOGIC: a per-token reward term is added to `rewards` here: trained on, summed in objective/rlhf_reward
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward sums it)
 
-            # 5. Advantages (ALGO LOGIC: another estimator replaces compute_gae here): GAE, returns before advantage
-            # whitening, whitened advantages 0 at padding (N+ detail 27)
+            # 5. GAE (ALGO LOGIC: another advantage estimator); returns before whitening, advantages 0 at padding
             advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
                                               rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
@@ -696,7 +691,7 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
                                    torch.zeros((), device=r.scores.device)),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
-        # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
+        # ALGO LOGIC: a metric is one line here, from the rollout `r`; the PPO epochs' means of phase 6's `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
@@ -761,8 +756,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     remote = dict(trust_remote_code=args.trust_remote_code)
 
-    # the models: hub ids, folders or GGUF files (converted once into cache/), their files checked before any loads;
-    # one-time work by the run's first process, then each machine's (a no-op on a shared disk, which it finds done)
+    # the models' files (a GGUF converted once into cache/, by the first process, then each machine's), checked
     with accelerator.main_process_first(), accelerator.local_main_process_first():
         sft_model_path = resolve_model_path(args.sft_model_path)
         sft_adapters = checkpoint_adapters(sft_model_path)  # a peft checkpoint: its adapters go on the base it names
@@ -806,8 +800,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if chat and tokenizer.chat_template is None:
         raise ValueError("the prompts are chat messages (or --apply-chat-template true), but the policy's tokenizer "
                          "has no chat template (a base model: give a text prompt column)")
-    # a reward model with another tokenizer reads decoded text (None: the policy's ids; trl#3595); compared before the
-    # [PAD] below is added
+    # a reward model with another tokenizer reads decoded text (None: the policy's ids; trl#3595); before the [PAD]
     reward_tokenizers = []
     for path, config in zip(reward_model_paths, reward_configs):
         rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
@@ -835,13 +828,12 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
-    eval_rows = dataset.select(range(len(dataset) - args.eval_samples, len(dataset))) if args.eval_samples > 0 else []
+    held_out = range(len(dataset) - args.eval_samples, len(dataset))
+    eval_rows = dataset.select(held_out) if args.eval_samples > 0 else []
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
-    # ALGO LOGIC: a second prompt source: loaded, checked and tokenised as `dataset` above, then mixed in here
-    # (from datasets import interleave_datasets; README "Editing the scripts")
+    # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in (interleave_datasets)
 
-    # the rewards: reward models first, then functions (`vader` if none is given), each called once now on two
-    # prompts standing in for completions, so a broken one fails before any model loads
+    # the rewards, models first then functions (`vader` if none), each tried on two prompts, before any model loads
     fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
     names = reward_names(args.reward_model_path, fn_specs)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
@@ -904,8 +896,7 @@ def check_args(args: Args) -> None:
 
 def tokenize_prompts(accelerator: Accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args: Args,
                      model_config) -> Dataset:
-    """The prompts tokenised once (`input_ids`), by the run's first process, then each machine's (the others read its
-    cache); a prompt of no tokens, or too long for the model with a response, is refused."""
+    """`input_ids`, tokenised by the first process (the others read its cache); an empty or too long prompt refused."""
     with accelerator.main_process_first(), accelerator.local_main_process_first():
         dataset = dataset.map(
             lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
@@ -1001,8 +992,7 @@ def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
 
 def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
                        chat: bool) -> list[str]:
-    """What a reward model with its own tokenizer reads: chat prompts rendered by ITS template, else the
-    decoded prompt + response."""
+    """What a reward model with its own tokenizer reads: a chat rendered by ITS template, or prompt + response."""
     if chat:
         answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
         return [rm_tokenizer.apply_chat_template(with_answer(as_messages(p), a), tokenize=False)
@@ -1012,8 +1002,7 @@ def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: t
 
 def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
                      sft_model_path: str) -> tuple[str, str]:
-    """The value model's starting point and why: a reward model with the policy's tokenizer (N+ detail 18),
-    else the SFT policy with a fresh head."""
+    """(the value model's start, why): a reward model on the policy's tokenizer (N+ 18), else the SFT policy."""
     if value_model_path is not None:
         return value_model_path, f"value model: {value_model_path} (--value-model-path)"
     same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
@@ -1025,9 +1014,8 @@ def value_model_init(value_model_path: str | None, reward_model_paths: list[str]
 
 
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter, on the top --num-trainable-layers blocks only (so the frozen trunk is shared with the
-    reference); `all-linear` expanded to the blocks' linear layers. Tried on a meta-device copy of the model:
-    unknown target modules fail before any load."""
+    """The fresh adapter, on the top --num-trainable-layers blocks only (the reference shares the frozen trunk);
+    tried on a meta-device copy, so unknown target modules fail before any load."""
     num_blocks, targets = model_config.num_hidden_layers, args.lora_target_modules
     top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
                                                                     num_blocks))
@@ -1075,7 +1063,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     """Policy, reference, value model or head, reward models, the forwards (`Forwards`), optimizer, accelerate."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
-    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
+    ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path,
+                                                                                  **model_kwargs)
     value_model = value_head = None
     if args.shared_value_head:  # classic TRL's AutoModelForCausalLMWithValueHead; zero at the start like the fresh head
         value_head = new_value_head(policy.get_output_embeddings().in_features).to(policy.dtype)
@@ -1083,8 +1072,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
             setup.value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
         if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-            # a fresh head on a language-model trunk starts at V = 0, not at a random head's arbitrary values
-            with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+            with gathered_for_init(value_model.score.parameters()):  # a fresh head: V = 0 (ZeRO-3: sharded)
                 for p in value_model.score.parameters():
                     nn.init.zeros_(p)
     setup.rewards.models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **model_kwargs)
@@ -1127,10 +1115,10 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from: a critic lr
-    is the value group's; a critic warm-up sets the policy group's to 0 (a value-only loss alone would still train a
-    shared trunk: the README's editing table)."""
-    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a critic lr is the value
+    group's; a critic warm-up sets the policy group's to 0 (a value-only loss still trains a shared trunk)."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
+              for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
@@ -1178,8 +1166,7 @@ def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing, without the input-grad hook that would backpropagate through
-    frozen blocks; it acts in train mode, where PPO's forwards run (classic TRL: eval mode, trl#1066)."""
+    """Non-reentrant, no input-grad hook into frozen blocks; in train mode, as PPO's forwards (classic TRL: eval)."""
     unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     unpeft(model).disable_input_require_grads()
 
@@ -1194,8 +1181,7 @@ def new_value_head(hidden_size: int) -> nn.Linear:
 
 @contextmanager
 def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
-    """Inside: the reference (adapter off, or the named reference adapter). Classic TRL called
-    disable_adapter() without `with`, which does nothing."""
+    """Inside: the reference, adapter off or named (classic TRL's disable_adapter() without `with` did nothing)."""
     if ref_adapter_name is None:
         with policy.disable_adapter():
             yield
@@ -1210,20 +1196,23 @@ def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_ada
 # ---- The forwards: the plain computation (ppo_harness/speed.py's shortcuts are probed against it) --------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
-    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
+                attention_mask=attention_mask.long(),
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1,
+                 use_cache=False)
     return out.logits[:, :-1]
 
 
 def final_hidden_states(model, query_responses, pad_token_id):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    return unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+    out = unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+    return out.last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
@@ -1232,22 +1221,23 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
                           pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
-    entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
+    entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
+               else logits.new_zeros(0))
     return logprobs_from_logits(logits, response_ids), entropy
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None):
-    """values[:, t] is read at the hidden state just before response token t, by `head` (--shared-value-head: a head
-    on the policy, whose LM head does not run) or the value model's `score`; `hidden`: the final hidden states, if a
-    forward already computed them (the policy's in training)."""
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None,
+                  hidden=None):
+    """values[:, t], read at the hidden state before response token t by `head` (--shared-value-head) or the value
+    model's `score`; `hidden`: the final hidden states, if a forward computed them (the policy's, in training)."""
     if hidden is None:
         hidden = final_hidden_states(value_model, query_responses, pad_token_id)
-    return (value_model.score if head is None else head)(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+    head = value_model.score if head is None else head
+    return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
 
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
-    trained in TRL: trl#2463)."""
+    """Policy and value as one module: one prepare, one optimizer (TRL's critic never trained: trl#2463)."""
 
     def __init__(self, policy, value_model=None, value_head=None):
         super().__init__()
@@ -1275,10 +1265,8 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 class Forwards:
-    """The seam between `main` and the models: the forwards its phases run. Here the plain computation (what
-    --no-fast-paths runs); ppo_harness/speed.py's `SpeedLayer` has the same methods, through shortcuts that start-up
-    probes find within 1e-4 of the functions below (an edited one included). They read the temperature from `args`, as
-    `evaluate` does: a schedule assigns `args.temperature` at the top of the update."""
+    """The forwards `main`'s phases run, plain (--no-fast-paths); ppo_harness/speed.py's `SpeedLayer` runs them through
+    shortcuts its probes find within 1e-4 of these functions, edited or not. Each reads `args.temperature`."""
 
     def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
         """Phase 1: (responses cut after the stop token, their log-probs)."""
@@ -1309,9 +1297,11 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
     chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    gather_weights = args.ds3_gather_for_generation
+    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
+                              args.temperature, stop_token_id, generator, synced)
+                     for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
     if stop_token_id is not None:
@@ -1322,8 +1312,8 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
-    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
+    """(responses, logprobs): up to `response_length` tokens a query, temperature only (transformers#42762), with a
+    KV cache; `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
@@ -1331,13 +1321,14 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
+        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator,
+                                                     finished, stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
         if step == response_length - 1 or done:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        new_column = attention_mask.new_ones(attention_mask.size(0), 1)
+        attention_mask = torch.cat([attention_mask, new_column], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
@@ -1345,8 +1336,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
 
 
 def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
-    """One sampling step from the last position's logits: (token (rows, 1), its log-prob, the rows finished so far,
-    whether all are, on every ZeRO-3 process when `synced`)."""
+    """One step: (token (rows, 1), its log-prob, the rows finished, whether all are: on all processes if `synced`)."""
     logits = scale_logits(logits, temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
@@ -1361,8 +1351,7 @@ def sample_next(logits, temperature, pad_token_id, generator, finished, stop_tok
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
                          context_length: int, args: Args, pad_token_id: int, with_values=True):
-    """The rollout's no-grad forwards (an evaluation's: without values), in chunks: reference log-probs, values (or
-    None) and the exact KL (or None)."""
+    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or None)."""
     ref_logprobs, values, full_kls = [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
@@ -1390,9 +1379,8 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
 # ---- Scores: reward models here, reward functions through ppo_harness/rewards.py -------------------------------------
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
                     global_step: int = 0):
-    """(weighted sum of every reward, each reward's own scores by name: `RewardComponents`) of truncated responses to
-    `rows`. A function's None (NaN in its scores) adds 0 to the sum, as TRL's nansum; a row that no reward judges is
-    refused. `global_step`: TRL's `trainer_state.global_step`."""
+    """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
+    (NaN) adds 0, as TRL's nansum; a row no reward judges is refused. `global_step`: TRL's trainer_state's."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1421,21 +1409,21 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
     hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
 
 
 def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
                        device) -> torch.Tensor:
-    """A reward model with its own tokenizer, on texts: its score at each row's last real token (from the
-    attention mask, never the pad id)."""
+    """A reward model with its own tokenizer, on texts: its score at each row's last real token (its attention mask)."""
     batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
                          max_length=max_length, return_tensors="pt").to(device)
     if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
         return reward_model(**batch).logits[:, 0].float()
     hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      use_cache=False).last_hidden_state
-    last = batch["attention_mask"].sum(1) - 1
-    return reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+    last, rows = batch["attention_mask"].sum(1) - 1, torch.arange(hidden.size(0), device=hidden.device)
+    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
@@ -1452,8 +1440,8 @@ def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args
 
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
                       response_ids, logprobs, padding_mask, pad_token_id: int) -> bool:
-    """--ratio-threshold: whether a minibatch's masked mean ratio over all processes, from a no-grad forward, exceeds
-    the threshold; then every process skips it whole (classic TRL zeroed the loss but still stepped Adam)."""
+    """--ratio-threshold: skip a minibatch whose masked mean ratio (all processes, no grad) exceeds it (classic TRL
+    zeroed the loss, and still stepped Adam)."""
     if args.ratio_threshold is None:
         return False
     total = torch.zeros(2, device=accelerator.device)
@@ -1470,7 +1458,8 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
 
 def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
     """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
-    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
+    non_finite = torch.tensor(float(not torch.isfinite(loss)), device=loss.device)
+    if accelerator.reduce(non_finite, "sum") > 0:
         raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
                                  f"{checkpoints}")
 
@@ -1478,8 +1467,7 @@ def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, 
 # ---- The held-out evaluation -----------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
-    """The held-out score, as the rewards give it (no --missing-eos-penalty, no score scaling), with its own generator
-    seeded by the update; rank 0 writes the samples."""
+    """The held-out score as the rewards give it (no missing-EOS penalty or scaling), own generator; rank 0 logs."""
     models.model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id

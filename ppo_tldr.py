@@ -1,7 +1,6 @@
 # PPO on Reddit TL;DR, CleanRL style: "The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024; "SFD":
-# github.com/vwxyzjn/summarize_from_feedback_details), the whole algorithm in one file. Docs: README.md ("N+ detail k":
-# its list; "TRL": a fix of TRL's PPOTrainer). `Args`, the PPO math, `main`, then what it calls, in call order; "ALGO
-# LOGIC" marks where an experiment's change goes. What no experiment edits lives in ppo_harness/, beside this file.
+# github.com/vwxyzjn/summarize_from_feedback_details) in one file: `Args`, the PPO math, `main`, then what it calls in
+# call order. "ALGO LOGIC" marks where an experiment's change goes; what none edits is in ppo_harness/. Docs: README.md.
 import json
 import math
 import random
@@ -43,13 +42,14 @@ QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\n
 TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
 # flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
-RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every",
-                     "save_every", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
-                     "trust_remote_code", "ds3_gather_for_generation", "eval_samples"}
+RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir",
+                     "eval_every", "save_every", "save_total_limit", "resume", "overwrite",
+                     "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation",
+                     "eval_samples"}
 
 
 @dataclass
-class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low, high)"], checked by `check_args`
+class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's valid interval: Annotated[type, "[lo, hi)"]
     # common args
     exp_name: str = Path(__file__).stem
     """the name of this experiment"""
@@ -162,11 +162,9 @@ class Args:  # a numeric flag carries its valid interval: Annotated[type, "[low,
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
     fast_paths: bool = True
-    """the exact shortcuts of the speed layer (ppo_harness/speed.py), each where its start-up probe passes;
-    --no-fast-paths: the plain forwards alone"""
+    """ppo_harness/speed.py's exact shortcuts, each where its start-up probe passes (off: the plain forwards alone)"""
     sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
-    """auto: on CUDA a static KV cache compiled into CUDA graphs (once its start-up probe passes), else `dynamic`,
-    transformers' growing cache; `static`: the static cache uncompiled; `compiled`: compiled on any device"""
+    """auto: a static KV cache in CUDA graphs on CUDA where probed exact, else dynamic; static: uncompiled"""
 
 
 # ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
@@ -179,7 +177,8 @@ class BatchSizes(NamedTuple):
     num_updates: int
 
 
-def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size, total_episodes):
+def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size,
+                total_episodes):
     """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
@@ -190,17 +189,16 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
     local_mini_batch_size = per_device_train_batch_size * gradient_accumulation_steps
     local_batch_size = local_mini_batch_size * num_mini_batches
     batch_size = local_batch_size * world_size
-    return BatchSizes(world_size, local_mini_batch_size, local_batch_size, local_mini_batch_size * world_size,
-                      batch_size, math.ceil(total_episodes / batch_size))
+    return BatchSizes(world_size, local_mini_batch_size, local_batch_size,
+                      local_mini_batch_size * world_size, batch_size, math.ceil(total_episodes / batch_size))
 
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a fresh shared
-    permutation per pass over the data, a pure function of its arguments, so a resumed run continues the data order.
-    Seeded by seed + pass alone: a second prompt source drawn apart with the same seed would follow the same order
-    (the README mixes one into the first instead)."""
-    per_update, per_rank = sizes.batch_size // num_generations, sizes.local_batch_size // num_generations
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a shared permutation
+    per pass over the data, seeded by seed + pass, so a resumed run continues the data order (no DataLoader)."""
+    per_update = sizes.batch_size // num_generations
+    per_rank = sizes.local_batch_size // num_generations
     if num_prompts < per_update:
         raise ValueError(f"{num_prompts} prompts: fewer than the {per_update} one update samples")
     epoch, batch = divmod(update - 1, num_prompts // per_update)
@@ -216,7 +214,8 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     return torch.min(zero_or_index, dim=-1).values
 
 
-def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Tensor) -> torch.Tensor:
+def truncate_response(stop_token_id: int, pad_token_id: int,
+                      responses: torch.Tensor) -> torch.Tensor:
     """Replace every token after the first stop token with pad; the stop token itself is kept (N+ detail 21)."""
     trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
     idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
@@ -226,7 +225,8 @@ def truncate_response(stop_token_id: int, pad_token_id: int, responses: torch.Te
 def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
     width = max(len(s) for s in sequences)
-    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    rows = [[pad_token_id] * (width - len(s)) + list(s) for s in sequences]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
@@ -241,8 +241,7 @@ def pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """logits / (T + 1e-7) in float32 or wider, pad never sampled; every forward uses it, so the first ratio is
-    exactly 1 (N+ detail 23)."""
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail 23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -250,8 +249,7 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row: the first index whose float64 cumulative probability exceeds the row's uniform
-    (torch.multinomial draws one variate per vocabulary entry); a zero-probability token is never drawn."""
+    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in float64."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -259,12 +257,12 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
-    return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits): -sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels to 5e-4
-    over a 49k vocabulary in float32); p = 0 columns (a finfo.min pad) left out of the sum."""
+    """-sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels in float32); p = 0 (pad) left out."""
     logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     p = logp.exp()
     return -torch.where(p > 0, p * logp, 0).sum(-1)
@@ -278,20 +276,22 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The unbiased variance of the unmasked entries (TRL's)."""
     n = mask.sum()
     if n < 2:
-        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, got {int(n)}")
+        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, "
+                         f"got {int(n)}")
     return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
+                  shift_mean: bool = True) -> torch.Tensor:
     """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds the mean back."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
 
-def padding_masks(sequence_lengths: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(padding_mask, padding_mask_p1) from the index of each last real token; _p1 keeps one more position,
-    the value where the score lands (N+ detail 25)."""
+def padding_masks(sequence_lengths: torch.Tensor,
+                  response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+ detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
@@ -303,9 +303,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """Where the score is added: one past the last real token, or on it if the response fills every position
-    (TRL/SFD `actual_end`)."""
-    return torch.where(sequence_lengths + 1 < response_length, sequence_lengths + 1, sequence_lengths)
+    """One past the last real token, or on it if the response fills every position (TRL/SFD `actual_end`)."""
+    after_last = sequence_lengths + 1
+    return torch.where(after_last < response_length, after_last, sequence_lengths)
 
 
 def compute_rewards(scores, kl, kl_coef, sequence_lengths):
@@ -317,8 +317,8 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
     return rewards, non_score_reward
 
 
-def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str, penalty_reward_value: float,
-                           missing_eos_penalty: float) -> torch.Tensor:
+def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule: str,
+                           penalty_reward_value: float, missing_eos_penalty: float) -> torch.Tensor:
     """A response without eos (N+ detail 22): score `replace`d (SFD), penalty `subtract`ed (TRL), or kept (`none`)."""
     if rule == "replace":
         return torch.where(contain_eos, scores, torch.full_like(scores, penalty_reward_value))
@@ -330,14 +330,13 @@ def apply_missing_eos_rule(scores: torch.Tensor, contain_eos: torch.Tensor, rule
 
 
 def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
-    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, and GAE
-    carried it into the advantages)."""
-    return masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, for GAE)."""
+    whitened = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
+    return whitened.masked_fill(padding_mask_p1, 0)
 
 
 def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27). One real token has no spread to scale
-    by: it is only centred, to 0 (masked_var refuses fewer than 2 values)."""
+    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token is centred, to 0."""
     if int((~padding_mask).sum()) < 2:
         return torch.zeros_like(advantages)
     return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
@@ -358,8 +357,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate loss over real tokens; (loss, clipfrac, approxkl, ratio_mean), the statistics masked too
-    (TRL averaged them over padding)."""
+    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), all masked (TRL averaged over padding)."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -387,11 +385,11 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 
 # ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -------------------------------------
 def main(args: Args) -> None:
-    # 0. Set-up: every check runs before any model loads, the run's folder taken last; then the models, seeds, a
-    # resumed checkpoint, the logs
+    # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, forwards, sizes, folder = models.model, models.optimizer, models.forwards, setup.sizes, setup.folder
+    model, optimizer, forwards = models.model, models.optimizer, models.forwards
+    sizes, folder = setup.sizes, setup.folder
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
     console = Console()
@@ -421,8 +419,7 @@ def main(args: Args) -> None:
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
-        # linear anneal, per update (N+ detail 29), set here: a torch LR scheduler's value would be overwritten
-        # ALGO LOGIC: a schedule (temperature, KL coefficient) is set here, from the update and a start value
+        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`: the lr anneals linearly (N+ 29)
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
             group["lr"] = anneal * group["initial_lr"]
@@ -436,8 +433,7 @@ def main(args: Args) -> None:
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after eos (N+ 21)
             responses, logprobs = forwards.sample(accelerator, model, queries, args, setup.zero3, pad_token_id,
                                                   stop_token_id)
-            # always --response-length wide (SFD): the longest response's score lands one past its eos
-            responses = pad_columns(responses, args.response_length, pad_token_id)
+            responses = pad_columns(responses, args.response_length, pad_token_id)  # SFD: a score lands past eos
             logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
@@ -463,11 +459,9 @@ def main(args: Args) -> None:
             values = values.masked_fill(padding_mask_p1, 0)
             kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)  # 0 at padding: both logprobs are 1.0
             rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
-            # ALGO LOGIC: a per-token reward term is added to `rewards` here: trained on, summed in rlhf_reward
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward sums it)
 
-            # 5. GAE (on whitened rewards with --whiten-rewards: N+ detail 26); returns before advantage whitening;
-            # whitened advantages are 0 at padding (N+ detail 27)
-            # ALGO LOGIC: another advantage estimator replaces compute_gae here
+            # 5. GAE (ALGO LOGIC: another advantage estimator); returns before whitening, advantages 0 at padding
             advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
                                               rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
@@ -501,7 +495,7 @@ def main(args: Args) -> None:
                         stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
                                  "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
                                  "policy/entropy_avg": masked_mean(entropy, ~padding_mask[mbi]), "ratio": ratio_mean}
-                        # ALGO LOGIC: a loss term is added here (and its mean to `stats`, to log it)
+                        # ALGO LOGIC: a loss term goes here (and its mean into `stats`, to log it)
                         loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
                         check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
                                           f"minibatch {minibatch_idx + 1})", folder.checkpoints)
@@ -527,7 +521,7 @@ def main(args: Args) -> None:
             "time/training": time_training,  # PPO epochs
             "lr": lr, "episode": episode,
         })
-        # ALGO LOGIC: an early end: `last = last or <condition>` here (the update is then validated and saved)
+        # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
         if not all(math.isfinite(v) for v in metrics.values()):
@@ -538,10 +532,8 @@ def main(args: Args) -> None:
         if last:
             save_models(accelerator, model, args, args.sft_model_path, folder.path, console)
         if last or (args.save_every > 0 and update % args.save_every == 0):
-            # ALGO LOGIC: state kept across updates (a best score, a stop) goes in this dict, and back from
-            # folder.saved where main resumes
-            save_checkpoint(accelerator, folder.checkpoints, dict(update=update, episode=episode, lr=lr,
-                                                                  **setup.run_state), args.save_total_limit)
+            save_checkpoint(accelerator, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates goes here
+                update=update, episode=episode, lr=lr, **setup.run_state), args.save_total_limit)
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
@@ -584,8 +576,7 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         # responses ending in eos, over all processes: the mean of n x each process's count
         "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
-        # the PPO epochs' policy/..._avg, loss/..._avg and val/clipfrac_avg
-        # ALGO LOGIC: a metric is one line here, from the rollout `r` or phase 6's `stats` (here `step_stats`)
+        # ALGO LOGIC: a metric is one line here, from the rollout `r`; the PPO epochs' means of phase 6's `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
@@ -610,12 +601,11 @@ class Setup:
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
-    """Every check, all before any model loads (SFD's `parse_args`): the flags and processes, the tokenizer, the posts
-    tokenised once (N+ details 1-4), the models' configurations; the run's folder last."""
+    """Every check before any model loads (SFD's `parse_args`): flags, tokenizer, posts (N+ 1-4), models, folder."""
     check_args(args)
     accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
-    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
-                        accelerator.num_processes, args.total_episodes)
+    sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                        args.num_mini_batches, accelerator.num_processes, args.total_episodes)
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -623,7 +613,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                          "in eos, where the reward model reads its score")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # N+ detail 6: else the eos would be masked as padding
-    train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split, "--dataset-name")
+    train_dataset = load_tldr_split(args.dataset_name, args.dataset_config, args.dataset_train_split,
+                                    "--dataset-name")
     eval_dataset = load_tldr_split(args.eval_dataset_name or args.dataset_name,
                                    None if args.eval_dataset_name else args.dataset_config, args.dataset_eval_split,
                                    "--eval-dataset-name" if args.eval_dataset_name else "--dataset-name")
@@ -637,23 +628,24 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                          "processes: raise --eval-samples")
     tokenize = dict(function=tokenize_tldr, batched=True,
                     fn_kwargs=dict(tokenizer=tokenizer, max_query_length=args.max_query_length))
-    # the run's first process, then each machine's: the others read its cache (once per disk)
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
+    with accelerator.main_process_first(), accelerator.local_main_process_first():  # the others read its cache
         train_dataset = train_dataset.map(**tokenize, remove_columns=train_dataset.column_names)
         train_dataset = train_dataset.remove_columns(["query", "reference_ids"])
         eval_dataset = eval_dataset.map(**tokenize, remove_columns=eval_dataset.column_names)
     remote = dict(trust_remote_code=args.trust_remote_code)
-    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True, **remote)
-    check_scalar_model(args.value_model_path or args.reward_model_path, "value model", require_head=False, **remote)
+    reward_config = check_scalar_model(args.reward_model_path, "--reward-model-path", require_head=True,
+                                       **remote)
+    check_scalar_model(args.value_model_path or args.reward_model_path, "value model", require_head=False,
+                       **remote)
     configs = (AutoConfig.from_pretrained(args.sft_model_path, **remote), reward_config)
-    max_positions = min((p for p in (getattr(c, "max_position_embeddings", None) for c in configs) if p), default=None)
+    positions = [getattr(c, "max_position_embeddings", None) for c in configs]
+    max_positions = min((p for p in positions if p), default=None)
     longest = max(args.response_length, max(len(ids) for ids in eval_dataset["reference_ids"]))
     if max_positions is not None and args.max_query_length + longest > max_positions:
         raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
                          f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
                          "--max-query-length or --response-length")
-    # every world_size-th held-out post, wrapping (ZeRO-3 needs every process); `evaluate` keeps one row per index
-    n, world = len(eval_dataset), accelerator.num_processes
+    n, world = len(eval_dataset), accelerator.num_processes  # each process every world-th post, wrapping (ZeRO-3)
     eval_rows = eval_dataset.add_column("index", list(range(n))).select(
         [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)])
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
@@ -662,8 +654,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
     folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE)
-    return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, tokenizer=tokenizer,
-                              stop_token_id=stop_token_id, train_dataset=train_dataset, eval_rows=eval_rows)
+    return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
+                              tokenizer=tokenizer, stop_token_id=stop_token_id,
+                              train_dataset=train_dataset, eval_rows=eval_rows)
 
 
 def check_args(args: Args) -> None:
@@ -677,7 +670,8 @@ def check_args(args: Args) -> None:
     if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
         raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
                          f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
-    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    local_batch_size = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                        * args.num_mini_batches)
     if args.whiten_rewards and local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {local_batch_size}")
 
@@ -689,7 +683,7 @@ def load_tldr_split(name: str, config: str | None, split: str, flag: str) -> Dat
     return dataset
 
 
-# ---- TL;DR data: queries (N+ details 1-4), references (tests/test_tldr.py checks each) ---------------------------------
+# ---- TL;DR data: queries (N+ details 1-4), references (tests/test_tldr.py checks each) -------------------------------
 def format_query(subreddit: str, title: str, post: str) -> str:
     return QUERY_TEMPLATE.format(subreddit=subreddit, title=title, post=post)
 
@@ -743,18 +737,17 @@ class Models:
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     """Policy, reference (N+ 19), value model from the reward model (N+ 18), reward model: one AdamW (N+ 17)."""
-    # transformers 5's default dtype "auto" would train a bf16 save in bf16
-    kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+    kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)  # "auto" would train a bf16 save in bf16
     policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **kwargs)
     value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
         args.value_model_path or args.reward_model_path, num_labels=1, output_loading_info=True, **kwargs)
     if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-        # a fresh head on a language model starts at V = 0, not random on large hidden states (as LMHP's value head)
-        with gathered_for_init(value_model.score.parameters()):  # ZeRO-3 loads weights sharded
+        with gathered_for_init(value_model.score.parameters()):  # a fresh head: V = 0, as LMHP's (ZeRO-3: sharded)
             for p in value_model.score.parameters():
                 nn.init.zeros_(p)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **kwargs)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1,
+                                                                      **kwargs)
     for m in (policy, ref_policy, value_model, reward_model):
         disable_dropout(m)  # N+ detail 7
     for m in (ref_policy, reward_model):
@@ -781,10 +774,10 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's linear anneal starts it from: a critic lr
-    is the value group's; a critic warm-up sets the policy group's to 0 (a value-only loss alone would still train a
-    shared trunk: the README's editing table)."""
-    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad]) for name, m in modules.items()]
+    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a critic lr is the value
+    group's; a critic warm-up sets the policy group's to 0 (a value-only loss still trains a shared trunk)."""
+    groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
+              for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
@@ -803,20 +796,23 @@ def disable_dropout(model: nn.Module) -> None:
 # ---- The forwards: the plain computation (ppo_harness/speed.py's shortcuts are probed against it) --------------------
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
-    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask.long(),
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
+                attention_mask=attention_mask.long(),
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length):
     """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1,
+                 use_cache=False)
     return out.logits[:, :-1]
 
 
 def final_hidden_states(model, query_responses, pad_token_id):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    return unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
+    out = unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+    return out.last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
@@ -825,7 +821,8 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
                           pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
-    entropy = checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy else logits.new_zeros(0)
+    entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
+               else logits.new_zeros(0))
     return logprobs_from_logits(logits, response_ids), entropy
 
 
@@ -837,7 +834,8 @@ def score_bias(config) -> float:
 
 def value_forward(value_model, query_responses, pad_token_id, context_length):
     """values[:, t] is read at the hidden state just before response token t."""
-    hidden = final_hidden_states(value_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    hidden = final_hidden_states(value_model, query_responses, pad_token_id)
+    hidden = hidden[:, context_length - 1 : -1]
     return value_model.score(hidden).squeeze(-1).float() - score_bias(value_model.config)
 
 
@@ -845,13 +843,13 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
     hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    scores = reward_model.score(hidden[torch.arange(hidden.size(0), device=hidden.device), last]).squeeze(-1).float()
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    scores = reward_model.score(hidden[rows, last]).squeeze(-1).float()
     return scores - score_bias(reward_model.config)
 
 
 class PolicyAndValueWrapper(nn.Module):
-    """Policy and value as one module, so one prepare and one optimizer cover both (the critic never
-    trained in TRL: trl#2463)."""
+    """Policy and value as one module: one prepare, one optimizer (TRL's critic never trained: trl#2463)."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -869,10 +867,8 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 class Forwards:
-    """The seam between `main` and the models: the forwards its phases run. Here the plain computation (what
-    --no-fast-paths runs); ppo_harness/speed.py's `SpeedLayer` has the same methods, through shortcuts that start-up
-    probes find within 1e-4 of the functions below (an edited one included). They read the temperature from `args`, as
-    `evaluate` does: a schedule assigns `args.temperature` at the top of the update."""
+    """The forwards `main`'s phases run, plain (--no-fast-paths); ppo_harness/speed.py's `SpeedLayer` runs them through
+    shortcuts its probes find within 1e-4 of these functions, edited or not. Each reads `args.temperature`."""
 
     def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
         """Phase 1: (responses cut after the stop token, their log-probs)."""
@@ -903,9 +899,11 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, log-probs), sampled in chunks."""
     chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length, args.temperature,
-                              stop_token_id, generator, synced) for i in range(0, queries.size(0), chunk)]
+    gather_weights = args.ds3_gather_for_generation
+    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
+                              args.temperature, stop_token_id, generator, synced)
+                     for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
     if stop_token_id is not None:
@@ -916,8 +914,8 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 @torch.no_grad()
 def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
              synced=False):
-    """Sample up to `response_length` tokens per query with a KV cache; (responses, logprobs). Pure temperature
-    sampling (transformers#42762); `synced`: every ZeRO-3 process steps until all are done."""
+    """(responses, logprobs): up to `response_length` tokens a query, temperature only (transformers#42762), with a
+    KV cache; `synced`: every ZeRO-3 process steps until all are done."""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
@@ -925,13 +923,14 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
     for step in range(response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
+        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator,
+                                                     finished, stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
         if step == response_length - 1 or done:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        new_column = attention_mask.new_ones(attention_mask.size(0), 1)
+        attention_mask = torch.cat([attention_mask, new_column], dim=1)
         position_ids = position_ids + 1
         out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                      past_key_values=out.past_key_values, use_cache=True)
@@ -939,8 +938,7 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
 
 
 def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
-    """One sampling step from the last position's logits: (token (rows, 1), its log-prob, the rows finished so far,
-    whether all are, on every ZeRO-3 process when `synced`)."""
+    """One step: (token (rows, 1), its log-prob, the rows finished, whether all are: on all processes if `synced`)."""
     logits = scale_logits(logits, temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
@@ -955,8 +953,7 @@ def sample_next(logits, temperature, pad_token_id, generator, finished, stop_tok
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
                          context_length: int, args: Args, pad_token_id: int, with_values=True):
-    """The rollout's no-grad forwards, in chunks: the reference's log-probs, the values (or None), and no exact KL
-    (TL;DR's estimators read only the sampled tokens' log-probs)."""
+    """The no-grad forwards in chunks: reference log-probs, values (or None), no exact KL (TL;DR's k1 and k3)."""
     chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
     for i in range(0, query_responses.size(0), chunk):
         qr = query_responses[i:i + chunk]
@@ -969,22 +966,25 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
     return torch.cat(ref_logprobs), torch.cat(values) if with_values else None, None
 
 
-# ---- Scores and one update's steps -------------------------------------------------------------------------------------
-def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    chunk: int) -> torch.Tensor:
+# ---- Scores and one update's steps -----------------------------------------------------------------------------------
+def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: torch.Tensor,
+                    pad_token_id: int, chunk: int) -> torch.Tensor:
     """The reward model's scores of the responses, in chunks, minus its score bias (`reward_model_scores`)."""
-    return torch.cat([reward_model_scores(reward_model, torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
-                                          pad_token_id, queries.size(1)) for i in range(0, queries.size(0), chunk)])
+    return torch.cat([reward_model_scores(reward_model,
+                                          torch.cat((queries[i:i + chunk], responses[i:i + chunk]), 1),
+                                          pad_token_id, queries.size(1))
+                      for i in range(0, queries.size(0), chunk)])
 
 
 def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
     """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
-    if accelerator.reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), "sum") > 0:
+    non_finite = torch.tensor(float(not torch.isfinite(loss)), device=loss.device)
+    if accelerator.reduce(non_finite, "sum") > 0:
         raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
                                  f"{checkpoints}")
 
 
-# ---- The held-out validation ------------------------------------------------------------------------------------------
+# ---- The held-out validation -----------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, console: Console) -> dict:
     """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
@@ -1014,9 +1014,9 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
             "objective/reference_score": models.reference_score}
 
 
-def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Setup, chunk: int) -> float:
-    """The reward model's mean score of the held-out reference summaries, over every post once (each process scores
-    its own `eval_rows`; a post two processes hold counts once)."""
+def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Setup,
+                    chunk: int) -> float:
+    """The reward model's mean score of the held-out reference summaries, each post once over the processes."""
     pad_token_id = setup.tokenizer.pad_token_id
     queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(accelerator.device)
     references = pad_right([torch.tensor([ids]) for ids in setup.eval_rows["reference_ids"]], pad_token_id).to(
@@ -1027,13 +1027,15 @@ def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Se
     return sum(scores.values()) / len(scores)
 
 
-def print_eval_table(console: Console, rows: list[dict], title: str, query_chars: int = 300) -> None:
+def print_eval_table(console: Console, rows: list[dict], title: str,
+                     query_chars: int = 300) -> None:
     """The first validation rows on the console (the query shortened to its start: the eval table file has it all)."""
     table = Table(title=title, show_lines=True)
     for column in rows[0]:
         table.add_column(column)
     for row in rows:
-        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
+        query = row["query"]
+        query = query if len(query) <= query_chars else query[:query_chars] + " [...]"
         table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
     console.print(table)
 

@@ -61,7 +61,8 @@ class SpeedLayer:
         probe_rows, pad_token_id = setup.train_dataset[:8]["input_ids"], setup.tokenizer.pad_token_id
         queries = self.script.left_pad(probe_rows, pad_token_id).to(accelerator.device)
         shared = min(len(row) for row in probe_rows) - 1  # a prefix the probe is sure to share: the first row's start
-        shared_queries = self.script.left_pad([probe_rows[0][:shared] + row[shared:] for row in probe_rows], pad_token_id)
+        shared_queries = self.script.left_pad([probe_rows[0][:shared] + row[shared:] for row in probe_rows],
+                                              pad_token_id)
         with accelerator.autocast():
             shared_prefix = not self.zero3 and len(probe_rows) > 1 and shared > 0 and shared_prefix_is_exact(
                 self.script, policy, shared_queries.to(accelerator.device), pad_token_id)
@@ -79,8 +80,8 @@ class SpeedLayer:
                 self.static_note = "dynamic KV cache" + (" (--sampler auto off CUDA)" if args.sampler == "auto" else "")
             candidates = () if self.zero3 or self.static else self.keep_candidates
             kept = sampled_states_are_exact(policy, queries, pad_token_id, FastPaths(
-                self.script, num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates, args.temperature,
-                args.response_length, setup.stop_token_id) if candidates else ()
+                self.script, num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates,
+                args.temperature, args.response_length, setup.stop_token_id) if candidates else ()
         self.paths = self.update = replace(self.paths, from_sampling=kept,
                                            refused=tuple(name for name in candidates if name not in kept))
 
@@ -116,9 +117,8 @@ class SpeedLayer:
     def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
         """Phase 2 from what sampling kept; the frozen trunks it computes stay for `train` and `logprobs`."""
         ref_logprobs, values, chunks, full_kls = [], [], [], []
-        policy, value_model, value_head, kept = models.policy, models.value_model, getattr(models, "value_head", None), \
-            self.update
-        script = self.script
+        policy, value_model, kept, script = models.policy, models.value_model, self.update, self.script
+        value_head = getattr(models, "value_head", None)  # ppo.py's --shared-value-head
         ref_model = policy if models.ref_policy is None else models.ref_policy
         chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
         for i in range(0, query_responses.size(0), chunk):
@@ -138,8 +138,9 @@ class SpeedLayer:
                                                       args.temperature)[0]
             if full:
                 ref_logprobs.append(script.logprobs_from_logits(ref_out, ids))
-                full_kls.append(script.full_kl(script.scale_logits(paths.policy_logits(policy, qr, pad_token_id, context_length),
-                                                     args.temperature, pad_token_id), ref_out))
+                full_kls.append(script.full_kl(script.scale_logits(
+                    paths.policy_logits(policy, qr, pad_token_id, context_length), args.temperature, pad_token_id),
+                    ref_out))
             else:
                 ref_logprobs.append(ref_out)
             del ref_out
@@ -534,8 +535,8 @@ def shared_prefix_is_exact(script, policy, queries, pad_token_id: int) -> bool:
 
 
 @torch.no_grad()
-def fast_generate(script, policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-                  synced=False, feed_last=False, share_prefix=False, static=None):
+def fast_generate(script, policy, queries, pad_token_id, response_length, temperature, stop_token_id=None,
+                  generator=None, synced=False, feed_last=False, share_prefix=False, static=None):
     """`generate`, with `prefill`'s shared prefix, `feed_last`: the last tokens go through the model too, so that
     every position's states pass `kept_while_sampling`'s hooks, and `static`: a `StaticSampler` steps instead of the
     model with its dynamic KV cache."""
