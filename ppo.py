@@ -33,7 +33,7 @@ from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_we
 from ppo_harness.prompt_files import DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows, load_prompt_dataset
 from ppo_harness.rewards import (RewardComponents, RewardLogs, check_every_row_judged, check_reward_fns,
                                  function_scores, load_reward_fn, prompt_text, reward_means, reward_names)
-from ppo_harness.run_folder import RunFolder, claim, save_checkpoint, save_models
+from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import RunLog, print_banner
 
 try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
@@ -467,7 +467,7 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
-# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order --------------------------------------
+# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -------------------------------------
 def main(args: Args) -> None:
     # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
@@ -494,6 +494,7 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
+    preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
@@ -501,7 +502,7 @@ def main(args: Args) -> None:
             **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
             banner_notes(setup) + [forwards.describe()])
-    start_time = time.time()
+    start_time, stopping = time.time(), False
     run_log.progress.start()
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
         run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, console)})
@@ -638,22 +639,26 @@ def main(args: Args) -> None:
                                        sizes.batch_size)
         run_log.log(update, metrics)
 
-        # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
+        # 8. Checkpoint every --save-every updates, after the last (the models first: a full disk keeps them), and
+        # when SIGTERM or SIGINT asked the run to stop (preemption: `Preemption`)
+        stopping = preemption.requested(accelerator)
         if last:
             save_models(accelerator, model, args, setup.sft_model_path, folder.path, console)
-        if last or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates goes here
+        if last or stopping or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, args, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates here
                 update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
-                **setup.run_state), args.save_total_limit)
+                **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
-        if last:  # the run's end, or an early one (`last` set in phase 7, before the held-out score: README)
+        if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
             break
     run_log.close()
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if stopping and not last:
+        preemption.exit(console, update, folder.checkpoints)
 
 
 
@@ -743,6 +748,7 @@ class Setup:
     train_dataset: Dataset
     eval_rows: Dataset | list
     rewards: Rewards
+    notes: list[str] = field(default_factory=list)  # the banner's warnings
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
@@ -806,9 +812,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
         reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
                                  prepare_reward_tokenizer(rm_tokenizer, path, chat))
-        reads, rows = len(reward_tokenizers[-1] or tokenizer), config.get_text_config().vocab_size
-        if reads > rows:  # ids past its embedding rows would fail in update 1 (IndexError)
-            raise ValueError(f"--reward-model-path {path}: the tokenizer it reads with has {reads} tokens, its model "
+        top, rows = max((reward_tokenizers[-1] or tokenizer).get_vocab().values()), config.get_text_config().vocab_size
+        if top >= rows:  # ids past its embedding rows would fail in update 1 (IndexError)
+            raise ValueError(f"--reward-model-path {path}: the tokenizer it reads with has ids up to {top}, its model "
                              f"{rows} embedding rows: give the reward model the tokenizer it was trained with")
     # the positions such a reward model reads: its max_position_embeddings, or its tokenizer's model_max_length
     reward_max_lengths = [None if t is None else min(filter(None, [getattr(c, "max_position_embeddings", None), (
@@ -831,6 +837,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     held_out = range(len(dataset) - args.eval_samples, len(dataset))
     eval_rows = dataset.select(held_out) if args.eval_samples > 0 else []
     train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
+    # a held-out prompt the file repeats among the training rows measures memory, not generalisation: in the banner
+    column, key = args.dataset_prompt_column, lambda prompt: json.dumps(prompt, sort_keys=True)
+    trained = {key(p) for p in train_dataset[column]} if args.eval_samples > 0 else set()
+    repeated = sum(key(p) in trained for p in eval_rows[column]) if args.eval_samples > 0 else 0
     # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in (interleave_datasets)
 
     # the rewards, models first then functions (`vader` if none), each tried on two prompts, before any model loads
@@ -860,12 +870,16 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE)
+    models = {"--sft-model-path": sft_model_path, "--value-model-path": value_model_path,
+              **{f"--reward-model-path {p}": p for p in reward_model_paths}}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
     return accelerator, Setup(
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
-        train_dataset=train_dataset, eval_rows=eval_rows, rewards=rewards)
+        train_dataset=train_dataset, eval_rows=eval_rows, rewards=rewards, notes=[
+            f"warning: {repeated} of the {len(eval_rows)} held-out prompts also appear among the training prompts "
+            f"(repeated rows in {args.dataset_name})"] * bool(repeated))
 
 
 def check_args(args: Args) -> None:
@@ -1043,7 +1057,7 @@ def banner_notes(setup: Setup) -> list[str]:
     return [f"prompts: {'chat template' if rewards.chat else 'text'}; stop token id {setup.stop_token_id}",
             *[f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
                 rewards.names, rewards.weights, how + [f"function {spec}" for spec in rewards.fn_specs])],
-            setup.value_init, *setup.folder.banner_lines()]
+            setup.value_init, *setup.folder.banner_lines(), *setup.notes]
 
 
 # ---- The models: LoRA, a value head, frozen blocks, one optimizer ----------------------------------------------------

@@ -27,7 +27,7 @@ from ppo_harness.launch import check_flags, start
 from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
                                 unpeft)
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
-from ppo_harness.run_folder import RunFolder, claim, save_checkpoint, save_models, write_atomic
+from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models, write_atomic
 from ppo_harness.run_log import RunLog, print_banner
 
 try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
@@ -408,6 +408,7 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
+    preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
@@ -415,7 +416,7 @@ def main(args: Args) -> None:
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
             [f"score bias (N+ detail 14): reward model {score_bias(models.reward_model.config):.4g}, value model "
              f"{score_bias(models.value_model.config):.4g}", *folder.banner_lines(), forwards.describe()])
-    start_time = time.time()
+    start_time, stopping = time.time(), False
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
@@ -528,21 +529,25 @@ def main(args: Args) -> None:
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
 
-        # 8. Checkpoint every --save-every updates and after the last, the models first: a full disk keeps them
+        # 8. Checkpoint every --save-every updates, after the last (the models first: a full disk keeps them), and
+        # when SIGTERM or SIGINT asked the run to stop (preemption: `Preemption`)
+        stopping = preemption.requested(accelerator)
         if last:
             save_models(accelerator, model, args, args.sft_model_path, folder.path, console)
-        if last or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates goes here
-                update=update, episode=episode, lr=lr, **setup.run_state), args.save_total_limit)
+        if last or stopping or (args.save_every > 0 and update % args.save_every == 0):
+            save_checkpoint(accelerator, args, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates here
+                update=update, episode=episode, lr=lr, **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
-        if last:  # the run's end, or an early one (`last` set in phase 7, before the held-out score: README)
+        if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
             break
     run_log.close()
     # every process leaves together: one that exits while gloo/NCCL threads still run can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if stopping and not last:
+        preemption.exit(console, update, folder.checkpoints)
 
 
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
@@ -653,7 +658,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE)
+    models = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
+              "--value-model-path": args.value_model_path}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
     return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
                               tokenizer=tokenizer, stop_token_id=stop_token_id,
                               train_dataset=train_dataset, eval_rows=eval_rows)

@@ -260,7 +260,8 @@ def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
     if not isinstance(values, (list, tuple)) or len(values) != n:
         raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a list of {n} numbers "
                          "(or None), one per completion")
-    values = [v.item() if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v for v in values]
+    values = [v.item() if isinstance(v, np.generic) or isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v
+              for v in values]  # numpy's and torch's scalars (np.bool_ too) as Python numbers
     if not all(v is None or isinstance(v, numbers.Real) for v in values):
         bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
         raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number or None per completion")

@@ -1,15 +1,20 @@
 """A run's folder, which the run owns: `claim` finds the checkpoint a resume continues from and checks that it continues
-the same run, refuses a folder another run holds (or in use: its `.lock`), and takes it; then checkpoints written
-aside and verified by their sha256 before a resume loads them, the logs trimmed to a resume's start, and the models
-saved for plain transformers at the end. Every write goes through a temporary name and a rename, so a run killed at any
-moment leaves each file whole."""
+the same run, refuses a folder another run holds (or in use: its `.lock`), a model's, or one holding files no run wrote,
+and takes it; then checkpoints written aside with the flags they were trained with and verified by their sha256 before
+a resume loads them, a checkpoint on SIGTERM (`Preemption`), the logs trimmed to a resume's start, and the models saved
+for plain transformers at the end. Every write goes through a temporary name and a rename, so a run killed at any moment
+leaves each file whole."""
 import atexit
+import ctypes
 import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,6 +26,7 @@ from accelerate.utils import broadcast_object_list
 
 CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 VALUE_HEAD_FILE = "value_head.safetensors"  # a value head's weight and bias (see `load_value_head`)
+FORMAT = 2  # trainer_state.json's format: 2 carries the flags; such a checkpoint without its checksums is incomplete
 LOGS = ("metrics.jsonl", "samples.jsonl")  # one row per update (metrics) or per held-out sample, each with its update
 
 
@@ -44,12 +50,14 @@ class RunFolder:
                              for name, (then, now) in self.changes.items()]
 
 
-def claim(accelerator, args, run_state: dict, may_change: set[str]) -> RunFolder:
+def claim(accelerator, args, run_state: dict, may_change: set[str], models: dict | None = None) -> RunFolder:
     """The run's folder, checked and taken in one place, after every other check of the set-up (a refused run writes
-    nothing): the checkpoint --resume names, verified; its `run_state` (the batch arithmetic, the data's size, the
-    processes: what the data order and random streams follow) the same as this run's; no live lock; a new run into
-    another run's folder refused (--overwrite: its files deleted); a resume's flags compared with the run's args.json
-    (`resume_changes`: `may_change` and --resume-with-changes may differ). The main process decides for all."""
+    nothing): the checkpoint --resume names, verified; the folder a folder (not a file, nor a model's, nor one holding
+    files no run wrote: `models` maps a flag to its model's path); its `run_state` (the batch arithmetic, the data's
+    size, the processes: what the data order and random streams follow) the same as this run's; no live lock; a new
+    run into another run's folder refused (--overwrite: the old run moved aside whole, then deleted); a resume's flags
+    compared with those the checkpoint was trained with (`resume_changes`: `may_change` and --resume-with-changes may
+    differ); resuming an older checkpoint moves the later ones aside (`branch_at`). The main process decides for all."""
     checkpoint, notes = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if (
         args.resume) else (None, [])
     time_int = int(time.time())
@@ -62,47 +70,106 @@ def claim(accelerator, args, run_state: dict, may_change: set[str]) -> RunFolder
     result = None
     if accelerator.is_main_process:
         try:
+            check_output_dir(output_dir, models or {})
             lock_output_dir(output_dir, take=False, stale_after=args.peer_timeout * 60)
             found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
                 p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
-            overwrite = found and not (args.resume and (checkpoint is None or checkpoint.parent.parent.resolve() ==
-                                                        output_dir.resolve()))
+            own = checkpoint is not None and checkpoint.parent.parent.resolve() == output_dir.resolve()
+            overwrite = found and not (args.resume and (checkpoint is None or own))
             if overwrite and not args.overwrite:
                 raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue it "
                                  "with --resume auto, or give a new --output-dir (--overwrite deletes it)")
             for log in LOGS:
                 if args.resume and (output_dir / log).exists():
                     log_rows(output_dir / log)  # a bad line refused now, not after the models load
-            result = resume_changes(args, checkpoint.parent.parent if checkpoint else output_dir, may_change) if (
-                args.resume) else {}
-            # an older checkpoint has no num_processes: taken as unchanged
-            changed = {k: (saved[k], v) for k, v in run_state.items() if saved and saved.get(k, v) != v}
-            if changed:
-                raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {changed}; resume "
-                                 "with the original flags and number of processes, or the data order, random streams "
-                                 "and learning rate would not continue")
-            lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
-            for p in [*found, output_dir / "samples.jsonl", *output_dir.glob("events.out.tfevents.*")] if (
-                    overwrite) else []:
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        except ValueError as error:
-            result = error
+            changed = resume_changes(args, saved, checkpoint.parent.parent if checkpoint else output_dir)
+            settings = {k: (saved[k], v) for k, v in run_state.items() if saved and saved.get(k, v) != v}
+            if settings:  # an older checkpoint has no num_processes: taken as unchanged
+                raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {settings}, the "
+                                 f"flags that differ: {changed or 'none recorded'}. The batch flags, --total-episodes, "
+                                 "the data and the number of processes set the data order, the random streams and the "
+                                 "learning rate's anneal, so a resume cannot change them: resume with the original "
+                                 "ones, or start a new run from the saved policy")
+            allowed = may_change | {"resume", "resume_with_changes"} | {
+                name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
+            refused = {name: change for name, change in changed.items() if name not in allowed}
+            if refused:
+                raise ValueError(f"--resume: flags differ from those {checkpoint or output_dir} was trained with "
+                                 f"(then, now): {refused}; they change the run, so resume with the original flags, or "
+                                 "name them in --resume-with-changes to go on with them")
+            result = {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
+            with disk_space_named(output_dir):
+                aside = move_aside(output_dir) if overwrite else None
+                lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
+                if aside is not None:  # the old run, moved away whole, is deleted only now
+                    shutil.rmtree(aside)
+                if own:
+                    notes += branch_at(checkpoint)
+        except (ValueError, OSError) as error:
+            result = ValueError(str(error) if isinstance(error, ValueError) else f"--output-dir {output_dir}: {error}")
     result = broadcast_object_list([result])[0]  # the other processes raise the same error, or go on
     if isinstance(result, ValueError):
         raise ValueError(str(result))
     return RunFolder(output_dir, run_name, checkpoint, saved, result, notes)
 
 
+def check_output_dir(output_dir: Path, models: dict[str, str | None]) -> None:
+    """Refuse a folder that is a file or under one, a model's folder (the trained model would be written over it), and
+    a folder holding files no run wrote (no args.json, metrics.jsonl or checkpoints/: a model's, a dataset's...)."""
+    for folder in (output_dir, *output_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"--output-dir {output_dir}: {folder} is a file, not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ValueError(f"--output-dir {output_dir}: {folder} is not writable")
+            break
+    for flag, path in models.items():
+        if path and Path(path).exists() and Path(path).resolve() == output_dir.resolve():
+            raise ValueError(f"--output-dir {output_dir} is the folder of {flag}: the run would write its model over "
+                             "that one; give another --output-dir")
+    names = sorted(p.name for p in output_dir.iterdir() if not p.name.startswith(".")) if output_dir.is_dir() else []
+    if names and not {"args.json", "metrics.jsonl", "checkpoints"} & set(names):
+        raise ValueError(f"--output-dir {output_dir} holds files no run wrote ({', '.join(names[:6])}"
+                         f"{', ...' if len(names) > 6 else ''}): give a new or empty folder")
+
+
+def move_aside(output_dir: Path) -> Path:
+    """--overwrite: the old run's folder renamed, whole, to a hidden name beside it, and an empty one made: a kill
+    leaves the old run or the new one, never a mix. The caller deletes the old one once it holds the new folder."""
+    aside = output_dir.with_name(f".{output_dir.name}.overwritten-{socket.gethostname()}-{os.getpid()}")
+    os.replace(output_dir, aside)
+    output_dir.mkdir()
+    return aside
+
+
+def branch_at(checkpoint: Path) -> list[str]:
+    """Resuming a checkpoint older than the folder's newest: the later ones (a future this run abandons) are moved,
+    never deleted, into checkpoints/abandoned-<time>/, and `latest` names the resumed one, so --resume auto
+    continues this branch. The banner's lines on it."""
+    checkpoints = checkpoint.parent
+    later = [p for p in checkpoint_dirs(checkpoints) if update_number(p) > update_number(checkpoint)]
+    if later:
+        aside = checkpoints / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        aside.mkdir()
+        for path in later:
+            os.replace(path, aside / path.name)
+    write_atomic(checkpoints / "latest", checkpoint.name)
+    return [f"resumed from {checkpoint.name}: the later {', '.join(p.name for p in later)} moved to {aside}"] if (
+        later) else []
+
+
 def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
     """Refuse while output_dir/.lock names a live process; `take`: then take it (host and pid), released at exit. A
     holder gone from this host (killed) left it stale: taken over; another host's, once neither the lock nor
-    metrics.jsonl (written each update) changed for `stale_after` seconds (a Slurm requeue lands on another node)."""
+    metrics.jsonl (written each update) changed for `stale_after` seconds (a Slurm requeue lands on another node); an
+    empty or unreadable lock (a run killed while writing it) is stale."""
     lock, me = output_dir / ".lock", f"{socket.gethostname()} {os.getpid()}"
     for _ in range(3):
         if lock.exists():
-            host, _, pid = lock.read_text().partition(" ")
+            host, _, pid = lock.read_text(errors="replace").strip().partition(" ")
             last = max(p.stat().st_mtime for p in (lock, output_dir / "metrics.jsonl") if p.exists())
-            if not (host == socket.gethostname() and pid.isdigit() and (int(pid) == os.getpid() or not process_alive(
+            readable = bool(host) and pid.isdigit()
+            if readable and not (host == socket.gethostname() and (int(pid) == os.getpid() or not process_alive(
                     int(pid))) or host != socket.gethostname() and time.time() - last > stale_after):
                 raise ValueError(f"{output_dir} is in use by the run of process {pid} on host {host} (its lock "
                                  f"{lock}): wait for it or give another --output-dir; if it is gone, delete {lock} "
@@ -117,8 +184,12 @@ def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:  # another run took it meanwhile: named on the next pass
             continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+        except OSError:  # a full disk: no empty lock left behind
+            lock.unlink(missing_ok=True)
+            raise
         atexit.register(lambda: lock.exists() and lock.read_text() == me and lock.unlink())
         return
     raise ValueError(f"{lock}: could not take the lock (another run starting at once?)")
@@ -138,27 +209,23 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def resume_changes(args, run_dir: Path, may_change: set[str]) -> dict:
-    """The flags that differ from the run's args.json (with its earlier resumes' changes): refused unless each is
-    in `may_change` (logging, saving) or named by --resume-with-changes; else (name: [then, now])."""
+def resume_changes(args, saved: dict | None, run_dir: Path) -> dict:
+    """The flags that differ (name: [then, now]) from those the checkpoint was trained with (`saved["args"]`), or for
+    an older checkpoint from the run's args.json with its earlier resumes' changes (none if neither is there)."""
     path = run_dir / "args.json"
-    if not path.is_file():
+    if saved and "args" in saved:
+        then = saved["args"]
+    elif path.is_file():
+        try:
+            then = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is unreadable ({error}): the run's flags cannot be compared to resume") from None
+        for resumed in then.get("resumes", []):
+            then.update({name: now for name, (_, now) in resumed["changes"].items()})
+    else:
         return {}
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is unreadable ({error}): the run's flags cannot be compared to resume") from None
-    for resumed in saved.get("resumes", []):
-        saved.update({name: now for name, (_, now) in resumed["changes"].items()})
-    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as args.json holds them
-    changed = {name: [saved[name], value] for name, value in now.items() if name in saved and saved[name] != value}
-    named = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
-    allowed = may_change | named | {"resume", "resume_with_changes"}
-    refused = {name: change for name, change in changed.items() if name not in allowed}
-    if refused:
-        raise ValueError(f"--resume: flags differ from the run's {path} (then, now): {refused}; they change the run, "
-                         "so resume with the original flags, or name them in --resume-with-changes to go on with them")
-    return {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
+    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as JSON holds them
+    return {name: [then[name], value] for name, value in now.items() if name in then and then[name] != value}
 
 
 def write_args(output_dir: Path, args, run_name: str, changes: dict, start_update: int) -> None:
@@ -172,11 +239,47 @@ def write_args(output_dir: Path, args, run_name: str, changes: dict, start_updat
         write_atomic(path, json.dumps(saved, indent=2))
 
 
+class Preemption:
+    """SIGTERM and SIGINT (Slurm, Kubernetes, a spot instance's notice, Ctrl-C) ask the run to stop: the update in
+    progress finishes, its checkpoint is written, and the run exits with code 143. `requested` is asked once an
+    update, on every process together, so all stop after the same update; a second SIGINT stops at once."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle)
+        if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":  # a process of accelerate launch
+            # its launcher killed (a machine lost): SIGTERM here too, so every process checkpoints this update and
+            # stops, and no other machine's launcher waits out torch's 300 s exit barrier
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() == 1:  # it died before that
+                self.signal = signal.SIGTERM
+
+    def handle(self, signum, frame):
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = self.signal or signum
+        print(f"{signal.Signals(signum).name} received: the update in progress finishes, its checkpoint is written, "
+              "then the run stops", flush=True)
+
+    def requested(self, accelerator) -> bool:
+        """Whether any process was signalled (one all-reduce)."""
+        asked = torch.tensor(float(self.signal is not None), device=accelerator.device)
+        return bool(accelerator.reduce(asked, "sum") > 0)
+
+    def exit(self, console, update: int, checkpoint: Path) -> None:
+        """The line a scheduler's log shows, then exit 143 (as a process SIGTERM ended): not finished."""
+        name = signal.Signals(self.signal).name if self.signal else "a signal to another process"
+        console.print(f"stopped by {name} after update {update}, checkpointed in {checkpoint}: continue with the "
+                      "same command and --resume auto", highlight=False)
+        raise SystemExit(143)
+
+
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(accelerator, checkpoints: Path, state: dict, save_total_limit: int | None) -> None:
-    """accelerate's save_state written aside (a name unique to this run), its checksums added, renamed into place,
-    then `latest` moved: a kill never leaves a half checkpoint. `state` records the batch arithmetic, so a changed
-    resume is refused. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+def save_checkpoint(accelerator, args, checkpoints: Path, state: dict) -> None:
+    """accelerate's save_state written aside (a name unique to this run), its trainer_state.json (`state`, the flags it
+    was trained with, the format) and checksums added, renamed into place, then `latest` moved: a kill never leaves a
+    half checkpoint. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
     owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
     final = checkpoints / f"update-{state['update']:06d}"
     tmp = checkpoints / f".tmp-{final.name}-{owner}"
@@ -188,16 +291,17 @@ def save_checkpoint(accelerator, checkpoints: Path, state: dict, save_total_limi
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            state = {**state, "format": FORMAT, "args": json.loads(json.dumps(asdict(args)))}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             write_checksums(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             write_atomic(checkpoints / "latest", final.name)
-            # a resume's abandoned later checkpoints are not this run's: left, to be overwritten
-            earlier = sorted((p for p in checkpoints.glob("update-[0-9]*") if update_number(p) < state["update"]),
+            earlier = sorted((p for p in checkpoint_dirs(checkpoints) if update_number(p) < state["update"]),
                              key=update_number)
-            for old in earlier[:max(len(earlier) - save_total_limit + 1, 0)] if save_total_limit else []:
+            limit = args.save_total_limit
+            for old in earlier[:max(len(earlier) - limit + 1, 0)] if limit else []:
                 shutil.rmtree(old)
         accelerator.wait_for_everyone()
 
@@ -215,18 +319,30 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, 
     if output_dir is None:
         raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
     checkpoints, notes = output_dir / "checkpoints", []
-    candidates = sorted(checkpoints.glob("update-[0-9]*"), key=update_number, reverse=True)
-    if (checkpoints / "latest").is_file():
-        named = checkpoints / (checkpoints / "latest").read_text().strip()
-        candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
+    candidates = sorted(checkpoint_dirs(checkpoints), key=update_number, reverse=True)
+    latest = checkpoints / "latest"
+    if latest.is_file():
+        name = latest.read_bytes().decode(errors="replace").strip()
+        if re.fullmatch(r"update-\d+", name):
+            named = checkpoints / name
+            candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
+        else:
+            notes.append(f"{latest} is damaged ({name[:40]!r}): ignored, the checkpoints taken by their numbers")
     for candidate in candidates:
         if problem := checkpoint_problem(candidate):
             notes.append(f"checkpoint {candidate} is damaged or incomplete: {problem}")
         else:
-            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * bool(notes)
-    if notes:
+            fallback = any(n.startswith("checkpoint ") for n in notes)
+            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * fallback
+    if any(n.startswith("checkpoint ") for n in notes):
         raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
-    return None, []
+    return None, notes
+
+
+def checkpoint_dirs(checkpoints: Path) -> list[Path]:
+    """The checkpoints/update-NNNNNN folders (not `latest`, temporary or abandoned ones)."""
+    return [p for p in checkpoints.glob("update-*") if re.fullmatch(r"update-\d+", p.name)] if (
+        checkpoints.is_dir()) else []
 
 
 def update_number(checkpoint: Path) -> int:
@@ -234,13 +350,26 @@ def update_number(checkpoint: Path) -> int:
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since written), or None."""
-    if not (folder / "trainer_state.json").is_file():
-        return f"{folder / 'trainer_state.json'} is missing"
-    if not (folder / CHECKSUMS).is_file():
-        return None  # written before checkpoints carried checksums
-    for line in (folder / CHECKSUMS).read_text().splitlines():
-        expected, name = line.split("  ", 1)
+    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since written), or None. One
+    written since checkpoints carry their flags (`FORMAT`) is incomplete without its checksums."""
+    state = folder / "trainer_state.json"
+    if not state.is_file():
+        return f"{state} is missing"
+    try:
+        written = json.loads(state.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        return f"{state} is unreadable ({error})"
+    sums = folder / CHECKSUMS
+    if not sums.is_file():  # None: written before checkpoints carried checksums
+        return f"{sums} is missing" if isinstance(written, dict) and written.get("format", 1) >= FORMAT else None
+    try:
+        lines = sums.read_text().splitlines()
+    except UnicodeDecodeError:
+        return f"{sums} is damaged (not text)"
+    for number, line in enumerate(lines, 1):
+        expected, separator, name = line.partition("  ")
+        if not separator or not re.fullmatch(r"[0-9a-f]{64}", expected) or not name:
+            return f"{sums} line {number} is damaged: {line[:80]!r}"
         try:
             if file_sha256(folder / name) != expected:
                 return f"{folder / name} differs from its checksum in {CHECKSUMS} (damaged)"

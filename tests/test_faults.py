@@ -2,6 +2,7 @@
 checkpoints are verified before loading, and every bad file or flag is named before any model loads."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -74,7 +75,7 @@ def test_a_resume_refuses_a_flag_that_changes_the_run(assets, tmp_path, change, 
     out.mkdir()
     run_folder.write_args(out, tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(out)]), "run", {}, 1)
     change = [str(assets["rm"]) if c == "RM" else c for c in change]
-    with pytest.raises(ValueError, match="flags differ from the run's") as error:
+    with pytest.raises(ValueError, match="flags differ from those") as error:
         set_up(assets, out, "--resume", "auto", *change)
     assert field in str(error.value) and "--resume-with-changes" in str(error.value)
 
@@ -155,11 +156,11 @@ def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
     for update in (5, 8):
         (checkpoints / f"update-00000{update}").mkdir(parents=True)
         (checkpoints / f"update-00000{update}" / "trainer_state.json").write_text("{}")
-    run_folder.save_checkpoint(accelerator, checkpoints, {"update": 6}, 1)
+    run_folder.save_checkpoint(accelerator, ppo.Args(save_total_limit=1), checkpoints, {"update": 6})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000008"]
     assert (checkpoints / "latest").read_text() == "update-000006"
     assert run_folder.checkpoint_problem(checkpoints / "update-000006") is None
-    run_folder.save_checkpoint(accelerator, checkpoints, {"update": 7}, 2)
+    run_folder.save_checkpoint(accelerator, ppo.Args(save_total_limit=2), checkpoints, {"update": 7})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000007",
                                                              "update-000008"]
 
@@ -229,7 +230,7 @@ def test_bad_weights_and_flags_are_named_at_start_up(assets, tmp_path):
                                                    num_attention_heads=2, intermediate_size=32, num_labels=1,
                                                    eos_token_id=0)).save_pretrained(small)
     make_tokenizer(False).save_pretrained(small)
-    with pytest.raises(ValueError, match="tokenizer it reads with has 31 tokens, its model 20 embedding rows"):
+    with pytest.raises(ValueError, match="tokenizer it reads with has ids up to 30, its model 20 embedding rows"):
         set_up(assets, tmp_path / "run", "--reward-model-path", str(small))
     out = tmp_path / "killed"  # a run killed before its first checkpoint, restarted with --resume auto
     out.mkdir()
@@ -250,3 +251,117 @@ def test_ppo_tldr_names_a_row_that_is_not_text(tmp_path):
     path = jsonl(tmp_path / "posts.jsonl", rows)
     with pytest.raises(ValueError, match="row 2's post is None, not text"):
         ppo_tldr.load_tldr_split(str(path), None, "train", "--dataset-name")
+
+
+def test_a_models_folder_or_a_folder_of_other_files_is_never_a_runs(assets, tmp_path):
+    """--output-dir equal to the SFT (or reward) model's folder, or holding files no run wrote, is refused before any
+    model loads, and its files are left as they were; so are a file, or a file as the folder's parent."""
+    sft = tmp_path / "sft"
+    shutil.copytree(assets["sft"], sft)
+    before = {p.name: p.read_bytes() for p in sft.iterdir()}
+    for folder, extra, message in [(sft, ["--sft-model-path", str(sft)], "is the folder of --sft-model-path"),
+                                   (sft, [], "holds files no run wrote (config.json"),
+                                   (sft, ["--overwrite"], "holds files no run wrote")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            set_up(assets, folder, *extra)
+        assert {p.name: p.read_bytes() for p in sft.iterdir()} == before  # untouched, no .lock either
+    (tmp_path / "a_file").write_text("x")
+    for folder in (tmp_path / "a_file", tmp_path / "a_file" / "run"):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'a_file'} is a file, not a folder"):
+            set_up(assets, folder)
+
+
+def test_overwrite_moves_the_old_run_aside_whole(assets, tmp_path):
+    """--overwrite renames the old run's folder away in one step before deleting it: its model files go with its logs
+    (a kill midway leaves the old run or the new one, never the new run's logs beside the old run's model)."""
+    out = finished_run(tmp_path / "run")
+    (out / "model.safetensors").write_text("old weights")
+    (out / "args.json").write_text("{}")
+    set_up(assets, out, "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert not list(tmp_path.glob(".run.overwritten-*"))  # deleted once the new folder was taken
+
+
+def test_a_resume_from_an_older_checkpoint_continues_its_own_branch(assets, tmp_path):
+    """A finished run resumed from an earlier checkpoint: the later checkpoints (the abandoned future) are moved aside,
+    not deleted, and `latest` names the resumed one, so a kill in the next update resumes this branch."""
+    out = tmp_path / "run"
+    args = tiny_args(assets, "--save-every", "1", "--total-episodes", "48", "--eval-samples", "2")
+    run_ppo(args, out)  # 3 updates, a checkpoint after each
+    checkpoints = out / "checkpoints"
+    setup = ppo.set_up(tyro.cli(ppo.Args, args=[*args, "--output-dir", str(out), "--resume",
+                                                 str(checkpoints / "update-000001")]))[1]
+    assert setup.folder.checkpoint == checkpoints / "update-000001"
+    assert (checkpoints / "latest").read_text() == "update-000001"
+    assert run_folder.find_checkpoint("auto", out)[0] == checkpoints / "update-000001"
+    abandoned = list(checkpoints.glob("abandoned-*"))
+    assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].iterdir()) == ["update-000002",
+                                                                                      "update-000003"]
+    assert any("moved to" in line for line in setup.folder.banner_lines())
+
+
+def test_a_resume_compares_the_flags_the_checkpoint_was_trained_with(assets, tmp_path):
+    """Each checkpoint carries its flags: with args.json deleted, a resume at another learning rate is still refused."""
+    out = tmp_path / "run"
+    args = tiny_args(assets, "--save-every", "1", "--total-episodes", "16", "--eval-samples", "2")
+    run_ppo(args, out)
+    assert json.loads((out / "checkpoints" / "update-000001" / "trainer_state.json").read_text())["args"][
+        "learning_rate"] == 1e-3
+    (out / "args.json").unlink()
+    with pytest.raises(ValueError, match="flags differ from those .* was trained with .*learning_rate"):
+        set_up(assets, out, "--resume", "auto", "--save-every", "1", "--total-episodes", "16", "--eval-samples", "2",
+               "--learning-rate", "0.5")
+
+
+def test_total_episodes_cannot_change_on_resume_and_no_flag_says_otherwise(assets, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(assets, "--save-every", "1", "--total-episodes", "16", "--eval-samples", "2")
+    run_ppo(args, out)
+    with pytest.raises(ValueError) as error:
+        set_up(assets, out, *args[len(tiny_args(assets)):], "--resume", "auto", "--total-episodes", "48",
+               "--resume-with-changes", "total-episodes")
+    assert "a resume cannot change them" in str(error.value) and "total_episodes" in str(error.value)
+
+
+def test_held_out_prompts_that_also_train_are_counted_in_the_banner(assets, tmp_path):
+    repeated = tmp_path / "repeated.jsonl"
+    repeated.write_text(assets["prompts"].read_text() + assets["prompts"].read_text())  # every row twice
+    setup = set_up(assets, tmp_path / "run", "--dataset-name", str(repeated))
+    assert setup.notes == [f"warning: 4 of the 4 held-out prompts also appear among the training prompts (repeated "
+                           f"rows in {repeated})"]
+    assert ppo.set_up(tyro.cli(ppo.Args, args=[*tiny_args(assets), "--output-dir", str(tmp_path / "r2")]))[1].notes == []
+
+
+def test_an_empty_lock_is_stale_and_a_full_disk_leaves_none(assets, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("")  # a run killed while writing its lock
+    set_up(assets, out)
+    assert (out / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    full = tmp_path / "full"
+
+    def no_space(fd, mode):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(run_folder.os, "fdopen", no_space)
+    with pytest.raises(ValueError, match="no space left on device"):
+        set_up(assets, full)
+    assert not (full / ".lock").exists()
+
+
+def test_a_reward_tokenizer_is_checked_by_its_largest_id_not_its_size(assets, tmp_path):
+    """32 tokens whose largest id is 70,000, for a reward model of 902 embedding rows: refused at start-up (it would
+    fail with IndexError in update 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{f"w{i}": i + 1 for i in range(30)}, "<unk>": 70000}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    rm = tmp_path / "rm_sparse"
+    GPTNeoXForSequenceClassification(GPTNeoXConfig(vocab_size=902, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32, num_labels=1,
+                                                   eos_token_id=0)).save_pretrained(rm)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>").save_pretrained(rm)
+    with pytest.raises(ValueError, match="has ids up to 70000, its model 902 embedding rows"):
+        set_up(assets, tmp_path / "run", "--reward-model-path", str(rm))

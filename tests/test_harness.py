@@ -41,6 +41,7 @@ class Flags:  # what the run folder reads of a script's Args
     peer_timeout: float = 30.0
     learning_rate: Annotated[float, "[0, inf)"] = 1e-3
     save_every: Annotated[int, "[0, inf)"] = 0
+    save_total_limit: int | None = None
     track: bool = False
 
 
@@ -76,12 +77,12 @@ def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, t
     out = tmp_path / "run"
     folder = claim(accelerator, out)
     run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
-    run_folder.save_checkpoint(accelerator, folder.checkpoints, dict(update=2, **STATE), None)
+    run_folder.save_checkpoint(accelerator, Flags(output_dir=str(out)), folder.checkpoints, dict(update=2, **STATE))
     resumed = claim(accelerator, out, resume="auto", save_every=2)
     assert resumed.checkpoint == out / "checkpoints" / "update-000002" and resumed.saved["update"] == 2
     assert resumed.changes == {"save_every": [0, 2]} and resumed.banner_lines() == [
         "resumed with --save-every changed from 0 to 2"]
-    with pytest.raises(ValueError, match="flags differ from the run's"):
+    with pytest.raises(ValueError, match="flags differ from those"):
         claim(accelerator, out, resume="auto", learning_rate=0.5)
     assert claim(accelerator, out, resume="auto", learning_rate=0.5,
                  resume_with_changes=("learning-rate",)).changes == {"learning_rate": [1e-3, 0.5]}
@@ -92,7 +93,7 @@ def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, t
 def test_checkpoints_are_verified_and_pruned(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2, 3):
-        run_folder.save_checkpoint(accelerator, checkpoints, {"update": update}, 2)
+        run_folder.save_checkpoint(accelerator, Flags(save_total_limit=2), checkpoints, {"update": update})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000002", "update-000003"]
     assert run_folder.find_checkpoint("auto", tmp_path) == (checkpoints / "update-000003", [])
     state = checkpoints / "update-000003" / "trainer_state.json"
@@ -181,3 +182,55 @@ def test_writes_are_whole_or_absent(tmp_path):
     run_folder.write_atomic(path, "two")
     assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
     assert run_folder.temporary_name(path).parent == tmp_path and run_folder.temporary_name(path).name.startswith(".")
+
+
+def test_damage_to_latest_or_the_checksums_is_named_and_an_older_whole_checkpoint_taken(accelerator, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for update in (1, 2):
+        run_folder.save_checkpoint(accelerator, Flags(), checkpoints, {"update": update})
+    (checkpoints / "latest").write_bytes(b"\xff\xfe garbage")
+    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    assert found == checkpoints / "update-000002" and "latest is damaged" in notes[0]
+    sums = checkpoints / "update-000002" / run_folder.CHECKSUMS
+    sums.write_text(sums.read_text().replace("  ", " ", 1))  # a malformed line
+    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    assert found == checkpoints / "update-000001" and f"{sums} line 1 is damaged" in notes[1]
+    sums.write_bytes(b"\xff" * 10)  # not text
+    assert run_folder.checkpoint_problem(checkpoints / "update-000002") == f"{sums} is damaged (not text)"
+    sums.unlink()  # written with checksums (format 2): without them it is incomplete, not trusted unverified
+    assert run_folder.checkpoint_problem(checkpoints / "update-000002") == f"{sums} is missing"
+    state = checkpoints / "update-000001" / "trainer_state.json"
+    (checkpoints / "update-000001" / run_folder.CHECKSUMS).unlink()
+    state.write_text(json.dumps({"update": 1}))  # an older checkpoint, from before checksums: taken as it is
+    assert run_folder.checkpoint_problem(checkpoints / "update-000001") is None
+
+
+def test_a_signal_asks_every_process_to_stop_after_the_update(accelerator):
+    import signal
+
+    preemption = run_folder.Preemption()
+    try:
+        assert not preemption.requested(accelerator)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested(accelerator) and preemption.signal == signal.SIGTERM
+        with pytest.raises(SystemExit) as stop:
+            preemption.exit(_quiet(), 3, Path("x"))
+        assert stop.value.code == 143
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(quiet=True)
+
+
+def test_numpy_scalars_and_bools_are_scores():
+    import numpy as np
+
+    from ppo_harness.rewards import checked_scores
+
+    scores = checked_scores([np.bool_(True), np.float32(0.5), True, None], {"completions": [0] * 4}, "cpu", "f")
+    assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()
