@@ -19,20 +19,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from rich.console import Console
-from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.launch import check_flags, start
+from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_weight_files, checkpoint_adapters,
                                 gathered_for_init, outside_zero_init, policy_for_generation, resolve_model_path,
                                 shard_frozen, transformer_blocks, unpeft)
-from ppo_harness.prompt_files import DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows, load_prompt_dataset
+from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
+                                      load_prompt_dataset, repeated_prompts)
 from ppo_harness.rewards import (RewardComponents, RewardLogs, check_every_row_judged, check_reward_fns,
-                                 function_scores, load_reward_fn, prompt_text, reward_means, reward_names)
+                                 function_scores, held_out_metrics, load_reward_fn, reward_means, reward_names,
+                                 sample_rows, unjudged_rows)
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import RunLog, print_banner
 
@@ -79,6 +81,12 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     """seconds a served reward (--reward-fn http://...) may take to answer one batch before the request is retried"""
     reward_url_retries: Annotated[int, "[0, inf)"] = 3
     """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4... s apart"""
+    reward_url_protocol: Literal["keywords", "openrlhf"] = "keywords"
+    """a served reward's JSON: this script's keywords, or OpenRLHF's remote reward model's"""
+    label_key: str = "label"
+    """the column OpenRLHF's rewards (a server, `reward_func` in a file) get as `labels`"""
+    unjudged_rows: Literal["skip", "stop"] = "skip"
+    """a row every reward function returned None for: left out of the update (TRL), or stop the run"""
     reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
     """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
     value_model_path: str | None = None
@@ -317,7 +325,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum()
+    return (values * mask).sum() / mask.sum().clamp(min=1)  # none unmasked (unjudged rows): 0, not NaN
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -505,7 +513,7 @@ def main(args: Args) -> None:
     start_time, stopping = time.time(), False
     run_log.progress.start()
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
-        run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, console)})
+        run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, run_log)})
     for update in range(start_update, sizes.num_updates + 1):
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
         # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`: the lr anneals linearly (N+ 29)
@@ -544,6 +552,8 @@ def main(args: Args) -> None:
 
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            unjudged = score_components.unjudged[:, None]  # no reward judged it: out of the loss and statistics, as TRL
+            padding_mask, padding_mask_p1 = padding_mask | unjudged, padding_mask_p1 | unjudged
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
@@ -631,13 +641,13 @@ def main(args: Args) -> None:
             metrics["objective/score_running_std"] = score_moments.std
         # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
         if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run_log))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
                                        sizes.batch_size)
-        run_log.log(update, metrics)
+        run_log.log(update, metrics, training_samples(setup, batch_rows, responses, scores, score_components))
 
         # 8. Checkpoint every --save-every updates, after the last (the models first: a full disk keeps them), and
         # when SIGTERM or SIGINT asked the run to stop (preemption: `Preemption`)
@@ -645,9 +655,9 @@ def main(args: Args) -> None:
         if last:
             save_models(accelerator, model, args, setup.sft_model_path, folder.path, console)
         if last or stopping or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, args, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates here
-                update=update, episode=episode, lr=lr, kl_coef=kl_coef, score_moments=vars(score_moments),
-                **setup.run_state))
+            save_checkpoint(accelerator, folder, dict(  # ALGO LOGIC: state kept across updates here
+                update=update, episode=episode, finished=last, lr=lr, kl_coef=kl_coef,
+                score_moments=vars(score_moments), **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
@@ -696,6 +706,7 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
                                    torch.zeros((), device=r.scores.device)),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
+        "objective/unjudged_rows": n * r.score_components.unjudged.sum().float(),  # left out: no reward judged them
         # ALGO LOGIC: a metric is one line here, from the rollout `r`; the PPO epochs' means of phase 6's `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
@@ -727,6 +738,7 @@ class Rewards:
     chunk: int
     max_steps: int = 1  # updates, and updates per pass over the prompts: TRL's trainer_state
     updates_per_epoch: int = 1
+    stop_unjudged: bool = False  # --unjudged-rows stop
     models: list = field(default_factory=list)  # filled by `load_models`
 
 
@@ -746,7 +758,8 @@ class Setup:
     stop_token_id: int | None
     eos_check_id: int | None
     train_dataset: Dataset
-    eval_rows: Dataset | list
+    eval_rows: Dataset | list  # this process's share of the held-out prompts
+    eval_index: list[int]  # their places among all held-out prompts
     rewards: Rewards
     notes: list[str] = field(default_factory=list)  # the banner's warnings
 
@@ -834,13 +847,12 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
-    held_out = range(len(dataset) - args.eval_samples, len(dataset))
-    eval_rows = dataset.select(held_out) if args.eval_samples > 0 else []
-    train_dataset = dataset.select(range(len(dataset) - args.eval_samples))
-    # a held-out prompt the file repeats among the training rows measures memory, not generalisation: in the banner
-    column, key = args.dataset_prompt_column, lambda prompt: json.dumps(prompt, sort_keys=True)
-    trained = {key(p) for p in train_dataset[column]} if args.eval_samples > 0 else set()
-    repeated = sum(key(p) in trained for p in eval_rows[column]) if args.eval_samples > 0 else 0
+    n = args.eval_samples  # the last n prompts are held out; each process evaluates its share (a judge sees each once)
+    eval_index = process_share(n, accelerator, in_step=zero3)
+    eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
+    train_dataset = dataset.select(range(len(dataset) - n))
+    repeated = repeated_prompts(dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column],
+                                train_dataset[args.dataset_prompt_column]) if n > 0 else 0  # warned in the banner
     # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in (interleave_datasets)
 
     # the rewards, models first then functions (`vader` if none), each tried on two prompts, before any model loads
@@ -848,14 +860,16 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     names = reward_names(args.reward_model_path, fn_specs)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, model_paths=reward_model_paths,
-                      fns=[load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries) for spec in fn_specs],
+                      fns=[load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries,
+                                          args.reward_url_protocol, args.label_key) for spec in fn_specs],
                       tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
                       chat=chat, prompt_column=args.dataset_prompt_column, chunk=args.local_rollout_forward_batch_size,
                       max_steps=sizes.num_updates,
-                      updates_per_epoch=len(train_dataset) // (sizes.batch_size // args.num_generations))
+                      updates_per_epoch=len(train_dataset) // (sizes.batch_size // args.num_generations),
+                      stop_unjudged=args.unjudged_rows == "stop")
     first_rows = train_dataset[:2]
     first_queries = left_pad(first_rows["input_ids"], tokenizer.pad_token_id)
-    check_reward_fns(rewards, first_rows, first_queries)
+    check_reward_fns(rewards, first_rows, first_queries, rewards.stop_unjudged)
     for rm_tokenizer in filter(None, reward_tokenizers):
         reward_model_texts(tokenizer, rm_tokenizer, first_rows[args.dataset_prompt_column], first_queries,
                            first_queries, chat)
@@ -877,8 +891,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
-        train_dataset=train_dataset, eval_rows=eval_rows, rewards=rewards, notes=[
-            f"warning: {repeated} of the {len(eval_rows)} held-out prompts also appear among the training prompts "
+        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, rewards=rewards, notes=[
+            f"warning: {repeated} of the {n} held-out prompts also appear among the training prompts "
             f"(repeated rows in {args.dataset_name})"] * bool(repeated))
 
 
@@ -1313,8 +1327,7 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     chunk = args.local_rollout_forward_batch_size
     gather_weights = args.ds3_gather_for_generation
     with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                              args.temperature, stop_token_id, generator, synced)
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
@@ -1324,22 +1337,20 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-             synced=False):
-    """(responses, logprobs): up to `response_length` tokens a query, temperature only (transformers#42762), with a
-    KV cache; `synced`: every ZeRO-3 process steps until all are done."""
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
+    """(responses, logprobs): --response-length steps of `sample_next` with a KV cache (`synced`: ZeRO-3's)"""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
     out = policy(**inputs, use_cache=True, logits_to_keep=last)
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    for step in range(response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator,
-                                                     finished, stop_token_id, synced)
+    for step in range(args.response_length):
+        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        if step == response_length - 1 or done:
+        if step == args.response_length - 1 or done:
             break
         new_column = attention_mask.new_ones(attention_mask.size(0), 1)
         attention_mask = torch.cat([attention_mask, new_column], dim=1)
@@ -1349,9 +1360,10 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
-    """One step: (token (rows, 1), its log-prob, the rows finished, whether all are: on all processes if `synced`)."""
-    logits = scale_logits(logits, temperature, pad_token_id)
+def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
+    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
+    # ALGO LOGIC: another sampling rule (top-p...) goes here, its flag in `args`; the speed layer samples here too
+    logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
     if stop_token_id is not None:
@@ -1394,7 +1406,7 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
                     global_step: int = 0):
     """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
-    (NaN) adds 0, as TRL's nansum; a row no reward judges is refused. `global_step`: TRL's trainer_state's."""
+    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1414,9 +1426,12 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
     if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/rewards.py)
         components.update(function_scores(rewards, rows, responses, global_step, logs))
     functions = rewards.names[len(rewards.model_paths):]
-    check_every_row_judged(components, functions, prompts)
+    if rewards.stop_unjudged:
+        check_every_row_judged(components, functions, prompts)
+    unjudged = unjudged_rows(components, functions)  # every function's None (never with a reward model)
+    unjudged = torch.zeros(len(queries), dtype=torch.bool, device=queries.device) if unjudged is None else unjudged
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
-               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs)
+               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
@@ -1441,6 +1456,14 @@ def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length:
 
 
 # ---- One update's steps, called from main's loop ---------------------------------------------------------------------
+def training_samples(setup: Setup, rows: dict, responses: torch.Tensor, scores: torch.Tensor, components,
+                     count: int = 8) -> list[dict]:
+    """The rollout's first rows for training_samples.jsonl, with the functions' `log_extra` columns (TRL's table)."""
+    tokenizer = setup.tokenizer
+    texts = [tokenizer.decode(r[r != tokenizer.pad_token_id]) for r in responses[:count]]
+    return sample_rows(rows[setup.rewards.prompt_column][:count], texts, scores[:count], components)[:count]
+
+
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
     """Classic TRL's score scaling: running moments of every score (all processes), then scale, then clip."""
     if args.use_score_scaling or args.use_score_norm:
@@ -1480,43 +1503,32 @@ def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, 
 
 # ---- The held-out evaluation -----------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
-             update: int, console: Console) -> dict:
-    """The held-out score as the rewards give it (no missing-EOS penalty or scaling), own generator; rank 0 logs."""
-    models.model.eval()  # after a PPO phase the model is in train mode, where gradient checkpointing forbids a KV cache
-    generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
-    tokenizer, pad_token_id = setup.tokenizer, setup.tokenizer.pad_token_id
+             update: int, run_log: RunLog) -> dict:
+    """The held-out score as the rewards give it (no missing-EOS penalty or scaling), own generator. Each process
+    samples and scores its share of the held-out prompts (`set_up`), so a judge sees each once."""
+    models.model.eval()  # PPO left train mode, where gradient checkpointing forbids a KV cache
+    seed = args.seed + update + 100003 * accelerator.process_index  # each process's share its own draws
+    generator = torch.Generator(device=accelerator.device).manual_seed(seed)
+    tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
+    pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
         responses, logprobs = models.forwards.sample(accelerator, models.model, eval_queries, args, setup.zero3,
                                                      pad_token_id, setup.stop_token_id, generator)
-        held_out = setup.eval_rows[:]
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
         ref_logprobs, _, full_kl_per_token = models.forwards.score(
             models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
             eval_queries.size(1), args, pad_token_id, with_values=False)
         padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
-        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
-    if accelerator.is_main_process:  # a reward's None stays None in the rows; then the functions' log_extra columns
-        rows = [{"prompt": prompt_text(p), "model response": r, "score": s,
-                 **{n: None if math.isnan(v) else v for n, v in zip(components, c)},
-                 **{column: values[i] for column, values in components.columns.items()}}
-                for i, (p, r, s, c) in enumerate(zip(
-                    held_out[args.dataset_prompt_column], [tokenizer.decode(r[r != pad_token_id]) for r in responses],
-                    scores.tolist(), torch.stack(list(components.values()), 1).tolist()))]
-        table = Table(*rows[0], title=f"held-out samples after update {update}", show_lines=True)
-        for row in rows[:5]:
-            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
-        console.print(table)
-        with open(setup.folder.path / "samples.jsonl", "a") as f:  # every row, the rendered query, each reward's score
-            f.writelines(json.dumps({"update": update, "query": q, **row}, default=str) + "\n" for q, row in zip(
-                tokenizer.batch_decode(eval_queries, skip_special_tokens=True), rows))
-        if args.track:
-            import wandb
-
-            wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
-    n = scores.numel()
-    return {"eval/scores": scores.mean().item(), "eval/scores_se": (scores.std() / n**0.5).item() if n > 1 else 0.0,
-            "eval/kl": kl.sum(1).mean().item(), **reward_means(components, "eval", lambda t: t)}
+        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
+    queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)
+    texts = [tokenizer.decode(r[r != pad_token_id]) for r in responses]
+    rows = sample_rows(held_out[args.dataset_prompt_column], texts, scores, components)
+    rows = [{"query": query, **row} for query, row in zip(queries, rows)]
+    rows, kls = zip(*gather_once(setup.eval_index, list(zip(rows, kl.tolist()))))  # every held-out row, once
+    run_log.samples(update, rows, f"held-out samples after update {update}")
+    return {**held_out_metrics(rows, list(components), gather_object([components.metrics])),
+            "eval/kl": sum(kls) / len(kls)}
 
 
 if __name__ == "__main__":

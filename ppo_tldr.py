@@ -269,7 +269,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum()
+    return (values * mask).sum() / mask.sum().clamp(min=1)  # none unmasked (unjudged rows): 0, not NaN
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -524,7 +524,7 @@ def main(args: Args) -> None:
         })
         # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, console))
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run_log))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
@@ -535,8 +535,8 @@ def main(args: Args) -> None:
         if last:
             save_models(accelerator, model, args, args.sft_model_path, folder.path, console)
         if last or stopping or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, args, folder.checkpoints, dict(  # ALGO LOGIC: state kept across updates here
-                update=update, episode=episode, lr=lr, **setup.run_state))
+            save_checkpoint(accelerator, folder, dict(  # ALGO LOGIC: state kept across updates here
+                update=update, episode=episode, finished=last, lr=lr, **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
              rollout)
@@ -908,8 +908,7 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     chunk = args.local_rollout_forward_batch_size
     gather_weights = args.ds3_gather_for_generation
     with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                              args.temperature, stop_token_id, generator, synced)
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
@@ -919,22 +918,20 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, response_length, temperature, stop_token_id=None, generator=None,
-             synced=False):
-    """(responses, logprobs): up to `response_length` tokens a query, temperature only (transformers#42762), with a
-    KV cache; `synced`: every ZeRO-3 process steps until all are done."""
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
+    """(responses, logprobs): --response-length steps of `sample_next` with a KV cache (`synced`: ZeRO-3's)"""
     inputs = model_inputs(queries, pad_token_id)
     attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
     out = policy(**inputs, use_cache=True, logits_to_keep=last)
     tokens, logprobs = [], []
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    for step in range(response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], temperature, pad_token_id, generator,
-                                                     finished, stop_token_id, synced)
+    for step in range(args.response_length):
+        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        if step == response_length - 1 or done:
+        if step == args.response_length - 1 or done:
             break
         new_column = attention_mask.new_ones(attention_mask.size(0), 1)
         attention_mask = torch.cat([attention_mask, new_column], dim=1)
@@ -944,9 +941,10 @@ def generate(policy, queries, pad_token_id, response_length, temperature, stop_t
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
 
-def sample_next(logits, temperature, pad_token_id, generator, finished, stop_token_id, synced):
-    """One step: (token (rows, 1), its log-prob, the rows finished, whether all are: on all processes if `synced`)."""
-    logits = scale_logits(logits, temperature, pad_token_id)
+def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
+    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
+    # ALGO LOGIC: another sampling rule (top-p...) goes here, its flag in `args`; the speed layer samples here too
+    logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
     if stop_token_id is not None:
@@ -993,7 +991,7 @@ def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, 
 
 # ---- The held-out validation -----------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
-             update: int, console: Console) -> dict:
+             update: int, run_log: RunLog) -> dict:
     """Near-greedy held-out summaries (N+ detail 30), scored without the missing-eos rule (SFD), own generator."""
     tokenizer, pad_token_id, held_out = setup.tokenizer, setup.tokenizer.pad_token_id, setup.eval_rows[:]
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
@@ -1012,11 +1010,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         (setup.folder.path / "eval").mkdir(exist_ok=True)
         write_atomic(setup.folder.path / "eval" / f"update-{update:06d}.jsonl",
                      "".join(json.dumps(row) + "\n" for row in rows))
-        print_eval_table(console, rows[:3], f"validation after update {update}")
-        if args.track:
-            import wandb
-
-            wandb.log({"validation": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])})
+        print_eval_table(run_log.console, rows[:3], f"validation after update {update}")
+        run_log.table("validation", rows)  # to wandb with --track
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
             "objective/reference_score": models.reference_score}
 
@@ -1036,8 +1031,7 @@ def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Se
 
 def print_eval_table(console: Console, rows: list[dict], title: str,
                      query_chars: int = 300) -> None:
-    """The first validation rows on the console (the query shortened to its start: the eval table file has it all)."""
-    table = Table(title=title, show_lines=True)
+    table = Table(title=title, show_lines=True)  # the first rows; eval/update-N.jsonl holds every row whole
     for column in rows[0]:
         table.add_column(column)
     for row in rows:

@@ -1,6 +1,7 @@
 """Starting a run: each numeric flag within its interval (written into `Args` as Annotated[type, "[low, high)"]), then
 accelerate's processes (DeepSpeed's settings made the flags'), and every machine launched alike."""
 import hashlib
+import math
 import os
 from dataclasses import asdict
 from datetime import timedelta
@@ -79,3 +80,21 @@ def check_same_launch(accelerator: Accelerator, args) -> None:
     if any(size != launches[0][1] for _, size in launches):
         raise ValueError(f"the machines run different numbers of processes ({sorted({s for _, s in launches})}): "
                          "give every machine's launcher the same --num_processes, the total over all machines")
+
+
+def process_share(n: int, accelerator, in_step: bool = False) -> list[int]:
+    """This process's share of n items (held-out prompts): every world-th, so each is handled once. Where processes
+    step together (ZeRO-3's sampling), or there are fewer items than processes, the last shares wrap round to the
+    first items so that every process has as many; `gather_once` keeps one of each."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    last = math.ceil(n / world) * world if in_step or n < world else n
+    return [i % n for i in range(rank, last, world)] if n > 0 else []
+
+
+def gather_once(index: list[int], rows: list) -> list:
+    """Every process's rows, each once in `index` order: where a process's share wrapped round to rows another holds,
+    the first process's is kept. Every process gets the same list."""
+    from accelerate.utils import gather_object
+
+    held = gather_object(list(zip(index, rows)))
+    return [row for _, row in sorted(dict(reversed(held)).items())]

@@ -103,6 +103,13 @@ def check_prompt_rows(dataset: Dataset, source: str, column: str) -> None:
                              f"must be text or a list of chat messages, as row 0's ({first})")
 
 
+def repeated_prompts(held_out: list, trained: list) -> int:
+    """How many held-out prompts also appear among the training prompts (repeated rows in the file): their score
+    measures memory, not generalisation."""
+    seen = {json.dumps(prompt, sort_keys=True) for prompt in trained}
+    return sum(json.dumps(prompt, sort_keys=True) in seen for prompt in held_out)
+
+
 def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
     """The default prompts: "Continue this movie review." and, as the answer's start, the first 8 words of a Rotten
     Tomatoes snippet of the vaderSentiment sdist (pip download once), after an empty system turn (README)."""

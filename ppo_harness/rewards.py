@@ -15,7 +15,7 @@ import threading
 import urllib.error
 import urllib.request
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -37,13 +37,17 @@ def reward_names(model_paths, fn_specs) -> list[str]:
     return names
 
 
-def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3) -> Callable:
+def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, url_protocol: str = "keywords",
+                   label_key: str = "label") -> Callable:
     """A built-in name (`vader`), `module:function` (importable), `path/to/file.py:function`, or a served reward's
-    URL."""
+    URL (`url_protocol` "keywords": ours; "openrlhf": OpenRLHF's remote reward model). A function in OpenRLHF's
+    convention (`reward_func(queries, prompts, labels)`) or verl's (`compute_score(data_source, solution_str,
+    ground_truth, extra_info)`) is wrapped to be called as TRL calls a function."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
     if spec.startswith(("http://", "https://")):
-        return ServedReward(spec, url_timeout, url_retries)
+        served = ServedReward(spec, url_timeout, url_retries)
+        return OpenRLHFReward(served.openrlhf, label_key, spec) if url_protocol == "openrlhf" else served
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise ValueError(f"--reward-fn {spec!r}: expected `module:function`, `path/to/file.py:function` or a URL")
@@ -63,6 +67,14 @@ def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3) -
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn {spec!r}: {module_name!r} has no callable {fn_name!r}")
+    try:
+        params = inspect.signature(fn).parameters
+    except ValueError:  # no signature to read (some builtins): TRL's convention
+        return fn
+    if "solution_str" in params and "ground_truth" in params:
+        return VerlComputeScore(fn, spec)
+    if "queries" in params and "completions" not in params:
+        return OpenRLHFReward(fn, label_key, spec)
     return fn
 
 
@@ -86,7 +98,8 @@ BUILTIN_REWARD_FNS = {"vader": vader_sentiment}  # built when the file loads: de
 
 class ServedReward:
     """--reward-fn URL: an async reward function that POSTs a batch's keywords (a function's, `trainer_state` as a
-    dict) as one JSON object and reads back `{"rewards": [one number or null per row]}` or that list alone."""
+    dict) as one JSON object and reads back `{"rewards": [one number or null per row]}` or that list alone. A failed
+    request (no connection, a timeout, a 5xx) is retried, 1, 2, 4... s apart."""
 
     def __init__(self, url: str, timeout: float, retries: int, backoff: float = 1.0):
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
@@ -100,14 +113,12 @@ class ServedReward:
         except ValueError:
             raise ValueError(f"{self.url} answered with no JSON: {text[:200]!r}") from None
 
-    async def __call__(self, prompts, completions, completion_ids, trainer_state=None, log_extra=None,
-                       log_metric=None, **columns):
-        body = json.dumps(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
-                               trainer_state=asdict(trainer_state) if trainer_state else None), default=str).encode()
+    async def send(self, body: dict, hint: str):
+        """The reply to one batch, retried; `hint` closes the error when every try failed (the other protocol)."""
+        data = json.dumps(body, default=str).encode()
         for attempt in range(self.retries + 1):
             try:
-                reply = await asyncio.to_thread(self.post, body)
-                return reply.get("rewards") if isinstance(reply, dict) else reply
+                return await asyncio.to_thread(self.post, data)
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read()[:200]!r}"
                 if e.code < 500:  # the request itself is wrong: a retry gets the same answer
@@ -116,19 +127,85 @@ class ServedReward:
                 error = f"{type(e).__name__}: {e}"
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff * 2**attempt)
-        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}")
+        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}{hint}")
+
+    async def __call__(self, prompts, completions, completion_ids, trainer_state=None, log_extra=None,
+                       log_metric=None, **columns):
+        body = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                    trainer_state=asdict(trainer_state) if trainer_state else None)
+        reply = await self.send(body, ". An OpenRLHF reward server (it reads \"query\", \"prompts\" and \"labels\") "
+                                      "needs --reward-url-protocol openrlhf")
+        return reply.get("rewards") if isinstance(reply, dict) else reply
+
+    async def openrlhf(self, queries, prompts, labels):
+        """OpenRLHF's remote reward protocol (its --remote_rm_url): {"query", "prompts", "labels"} posted."""
+        reply = await self.send(dict(query=queries, prompts=prompts, labels=labels),
+                                " (posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")
+        if not (isinstance(reply, dict) and ("rewards" in reply or "scores" in reply)):
+            raise ValueError(f"{self.url} answered {str(reply)[:200]} with no \"rewards\" or \"scores\", as OpenRLHF's "
+                             "protocol reads them; a server of this script's keywords needs --reward-url-protocol "
+                             "keywords")
+        return reply
+
+
+class OpenRLHFReward:
+    """OpenRLHF's convention, called as TRL calls a function: `reward_func(queries, prompts, labels)` from a .py file
+    (OpenRLHF's --remote_rm_url file) or a server posted {"query", "prompts", "labels"}. `queries` are each prompt, as
+    rendered for the policy, with its response (special tokens kept, padding removed), `prompts` the rendered
+    prompts, `labels` the rows' `label_key` column. The reply: scores, or a dict of `rewards` (else `scores`) and
+    `extra_logs` (each logged as a metric, its mean over the rows)."""
+    rendered = True  # `function_scores` passes it the rendered texts
+
+    def __init__(self, fn: Callable, label_key: str, spec: str):
+        self.fn, self.label_key, self.spec = fn, label_key, spec
+
+    async def __call__(self, queries, rendered_prompts, log_metric=None, **columns):
+        labels = columns.get(self.label_key, [None] * len(queries))
+        out = self.fn(queries=list(queries), prompts=list(rendered_prompts), labels=list(labels))
+        out = await out if inspect.isawaitable(out) else out
+        if isinstance(out, dict):
+            for name, values in (out.get("extra_logs") or {}).items():
+                values = torch.as_tensor(values, dtype=torch.float64)
+                if log_metric is not None and values.numel():
+                    log_metric(name, values.mean().item())
+            out = out["rewards"] if "rewards" in out else out.get("scores")
+        return out.tolist() if isinstance(out, (torch.Tensor, np.ndarray)) else out
+
+
+class VerlComputeScore:
+    """verl's convention, called as TRL calls a function: `compute_score(data_source, solution_str, ground_truth,
+    extra_info)` once per row, as verl's reward manager calls it, with the row's `data_source`, the response's text,
+    `reward_model["ground_truth"]` and `extra_info` (each only if the function takes it). A dict's `score` is the
+    reward, its other keys are logged (`log_extra` columns, and their means as metrics)."""
+
+    def __init__(self, fn: Callable, spec: str):
+        self.fn, self.spec = fn, spec
+        self.params = inspect.signature(fn).parameters
+
+    def __call__(self, completions, log_extra=None, log_metric=None, **columns):
+        n, scores, extra = len(completions), [], {}
+        for i, completion in enumerate(completions):
+            text = completion if isinstance(completion, str) else completion[0]["content"]
+            row = dict(data_source=columns.get("data_source", [None] * n)[i], solution_str=text,
+                       ground_truth=(columns.get("reward_model", [None] * n)[i] or {}).get("ground_truth"),
+                       extra_info=columns.get("extra_info", [None] * n)[i])
+            out = self.fn(**{k: v for k, v in row.items() if k in self.params})
+            if isinstance(out, dict):
+                for key, value in out.items():
+                    if key != "score":
+                        extra.setdefault(key, [None] * n)[i] = value
+                out = out.get("score")
+            scores.append(out)
+        for key, values in extra.items():
+            if log_extra is not None:
+                log_extra(key, values)
+            numbers_ = [float(v) for v in values if isinstance(v, numbers.Real)]
+            if log_metric is not None and numbers_:
+                log_metric(key, sum(numbers_) / len(numbers_))
+        return scores
 
 
 # ---- Calling: TRL 1.12 GRPOTrainer's keywords, async functions awaited together, each output checked -----------------
-@dataclass
-class TrainerState:
-    """TRL's `trainer_state` keyword, ours with transformers' names: global_step counts the updates done (as TRL: an
-    update's rollout is scored at update - 1, the evaluation after it at update), epoch the passes over the prompts."""
-    global_step: int
-    max_steps: int
-    epoch: float
-
-
 class RewardLogs:
     """What reward functions log through TRL's keywords while one batch is scored: `log_extra(column, values)`, one
     value per row (sample tables and samples.jsonl), and `log_metric(name, value)` (averaged over calls, then
@@ -156,11 +233,13 @@ class RewardLogs:
 
 
 class RewardComponents(dict):
-    """Each reward's scores by name (NaN: a function's None), and what the functions logged (`RewardLogs`)."""
+    """Each reward's scores by name (NaN: a function's None), what the functions logged (`RewardLogs`), and the rows
+    no reward judged (`unjudged`: every reward a function, each returning None)."""
 
-    def __init__(self, scores: dict, logs: RewardLogs | None = None):
+    def __init__(self, scores: dict, logs: RewardLogs | None = None, unjudged: torch.Tensor | None = None):
         super().__init__(scores)
         self.columns, self.metrics = (logs.columns, logs.metrics) if logs else ({}, {})
+        self.unjudged = unjudged
 
 
 def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
@@ -182,12 +261,32 @@ def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: i
     `reward_fn_kwargs` and TRL's trainer keywords, logging into `logs`. `rewards`: a script's record of them (`names`,
     reward models first; `fn_specs`, `fns`, `model_paths`, `policy_tokenizer`, `prompt_column`, `max_steps`,
     `updates_per_epoch`)."""
-    kwargs = reward_fn_kwargs(rewards.policy_tokenizer, rows, rewards.prompt_column, responses)
-    state = TrainerState(global_step, rewards.max_steps, global_step / rewards.updates_per_epoch)
-    trainer = dict(trainer_state=state, **logs.keywords())
+    tokenizer = rewards.policy_tokenizer
+    kwargs = reward_fn_kwargs(tokenizer, rows, rewards.prompt_column, responses)
+    trainer = dict(trainer_state=trainer_state(global_step, rewards.max_steps, rewards.updates_per_epoch,
+                                               len(responses)), **logs.keywords())
+    if any(getattr(fn, "rendered", False) for fn in rewards.fns):  # OpenRLHF's texts: rendered, special tokens kept
+        rendered = dict(rendered_prompts=[tokenizer.decode(ids) for ids in rows["input_ids"]], queries=[
+            tokenizer.decode(list(ids) + r[r != tokenizer.pad_token_id].tolist())
+            for ids, r in zip(rows["input_ids"], responses)])
     names = rewards.names[len(rewards.model_paths):]
-    return dict(zip(names, call_reward_fns([(fn, {**kwargs, **trainer}, spec)
-                                            for spec, fn in zip(rewards.fn_specs, rewards.fns)], responses.device)))
+    return dict(zip(names, call_reward_fns([
+        (fn, {**kwargs, **trainer, **(rendered if getattr(fn, "rendered", False) else {})}, spec)
+        for spec, fn in zip(rewards.fn_specs, rewards.fns)], responses.device)))
+
+
+def trainer_state(global_step: int, max_steps: int, updates_per_epoch: int, rows: int):
+    """TRL's `trainer_state` keyword: transformers' TrainerState, as TRL passes its trainer's. Here `global_step` counts
+    the updates done (TRL: optimizer steps): an update's rollout is scored at update - 1, the evaluation after it at
+    update; `epoch` counts the passes over the prompts."""
+    from accelerate import PartialState
+    from transformers import TrainerState
+
+    process = PartialState()
+    return TrainerState(epoch=global_step / updates_per_epoch, global_step=global_step, max_steps=max_steps,
+                        num_train_epochs=math.ceil(max_steps / updates_per_epoch), train_batch_size=rows,
+                        is_local_process_zero=process.is_local_main_process,
+                        is_world_process_zero=process.is_main_process)
 
 
 def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
@@ -272,23 +371,40 @@ def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
     return scores
 
 
+def unjudged_rows(components: dict, functions: list[str]) -> torch.Tensor | None:
+    """The rows no reward judged (every reward a function, and each returned None), or None if a reward model judges
+    every row."""
+    if not functions or len(functions) != len(components):  # a reward model's NaN is no None
+        return None
+    return torch.stack([components[n].isnan() for n in functions]).all(0)
+
+
 def check_every_row_judged(components: dict, functions: list[str], prompts: list, when: str = "") -> None:
-    """Refuse a batch with a row that no reward judged (every reward a function, every function's None)."""
-    if len(functions) != len(components):  # a reward model judges every row: its NaN is no None
-        return
-    unjudged = torch.stack([components[n].isnan() for n in functions]).all(0)
-    if unjudged.any():
+    """Refuse a batch with a row that no reward judged (--unjudged-rows stop)."""
+    unjudged = unjudged_rows(components, functions)
+    if unjudged is not None and unjudged.any():
         prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
         raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each row needs a reward "
-                         "that judges it")
+                         "that judges it (--unjudged-rows stop)")
 
 
-def check_reward_fns(rewards, rows: dict, queries: torch.Tensor) -> None:
-    """Call each reward function once, on `rows` with their rendered prompts standing in for completions, so a broken
-    one fails before any model loads (a paid or stateful judge sees this call)."""
-    if rewards.fns:
-        components = function_scores(rewards, rows, queries, 0, RewardLogs(len(queries)))
-        if not rewards.model_paths:  # a reward model judges every row
+def served(fn) -> bool:
+    """Whether a reward function is a server's (`ServedReward`, or OpenRLHF's protocol posted to one)."""
+    return isinstance(fn, ServedReward) or isinstance(getattr(getattr(fn, "fn", None), "__self__", None),
+                                                      ServedReward)
+
+
+def check_reward_fns(rewards, rows: dict, queries: torch.Tensor, stop_unjudged: bool = False) -> None:
+    """Call each local reward function once, on `rows` with their rendered prompts standing in for completions, so a
+    broken one fails before any model loads; a served reward is not called (a paid judge would bill a fake row)."""
+    local = [(name, spec, fn) for name, spec, fn in zip(rewards.names[len(rewards.model_paths):], rewards.fn_specs,
+                                                         rewards.fns) if not served(fn)]
+    if local:
+        record = copy.copy(rewards)
+        record.names, record.fn_specs, record.fns = (list(column) for column in zip(*local))
+        record.model_paths = []
+        components = function_scores(record, rows, queries, 0, RewardLogs(len(queries)))
+        if stop_unjudged and len(local) == len(rewards.fns) and not rewards.model_paths:
             check_every_row_judged(components, list(components), rows[rewards.prompt_column],
                                    " at start-up (the prompts standing in for completions)")
 
@@ -316,6 +432,32 @@ def reward_means(components: dict, prefix: str, total: Callable) -> dict:
         means.update({f"{prefix}/reward_fn/{n}": (s / count).item() for n, (s, count) in zip(names, logged_sums)})
     return {**means, **{f"{prefix}/scores_none/{n}": (none / size).item() for n, (_, none, size) in
                         zip(components, sums) if none > 0}}
+
+
+def sample_rows(prompts: list, texts: list[str], scores: torch.Tensor, components: dict) -> list[dict]:
+    """Sample-table rows: the prompt as the dataset gave it (`prompt_text`), the response, the score (None for a row no
+    reward judged), each reward's score (a None stays None), then the functions' `log_extra` columns."""
+    unjudged = getattr(components, "unjudged", None)
+    values = torch.stack(list(components.values()), 1).tolist() if components else [[]] * len(texts)
+    return [{"prompt": prompt_text(p), "model response": t,
+             "score": None if unjudged is not None and unjudged[i] else s,
+             **{n: None if math.isnan(v) else v for n, v in zip(components, c)},
+             **{column: column_values[i] for column, column_values in getattr(components, "columns", {}).items()}}
+            for i, (p, t, s, c) in enumerate(zip(prompts, texts, scores.tolist(), values))]
+
+
+def held_out_metrics(rows: list[dict], names: list[str], logged: list[dict]) -> dict:
+    """The held-out evaluation's metrics from every process's rows (`sample_rows`' form): eval/scores and its standard
+    error over the rows some reward judged, each reward's mean and None share (`reward_means`), and what the
+    functions logged with `log_metric` (`logged`: each process's `RewardLogs.metrics`), the mean over processes."""
+    judged = torch.tensor([row["score"] for row in rows if row["score"] is not None])
+    every = RewardComponents({name: torch.tensor([math.nan if row[name] is None else row[name] for row in rows])
+                              for name in names})
+    every.metrics = {name: [sum(m[name]) / len(m[name]) for m in logged if name in m]
+                     for name in sorted(set().union(*logged))}
+    n = judged.numel()
+    return {"eval/scores": judged.mean().item() if n else 0.0,
+            "eval/scores_se": (judged.std() / n**0.5).item() if n > 1 else 0.0, **reward_means(every, "eval", lambda t: t)}
 
 
 def assistant_prefix(prompt) -> str:

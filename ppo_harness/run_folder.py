@@ -27,7 +27,7 @@ from accelerate.utils import broadcast_object_list
 CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 VALUE_HEAD_FILE = "value_head.safetensors"  # a value head's weight and bias (see `load_value_head`)
 FORMAT = 2  # trainer_state.json's format: 2 carries the flags; such a checkpoint without its checksums is incomplete
-LOGS = ("metrics.jsonl", "samples.jsonl")  # one row per update (metrics) or per held-out sample, each with its update
+LOGS = ("metrics.jsonl", "samples.jsonl", "training_samples.jsonl")  # rows with their update: trimmed on resume
 
 
 @dataclass
@@ -39,6 +39,9 @@ class RunFolder:
     saved: dict | None = None  # its trainer_state.json: the update, and what the script put in it
     changes: dict = field(default_factory=dict)  # flags changed since the run began: name -> [then, now]
     notes: list[str] = field(default_factory=list)  # checkpoints passed over as damaged
+    # the flags as launched, which every checkpoint carries: a schedule that later sets args.temperature (say) does
+    # not make its own resume differ
+    flags: dict = field(default_factory=dict)
 
     @property
     def checkpoints(self) -> Path:
@@ -57,7 +60,8 @@ def claim(accelerator, args, run_state: dict, may_change: set[str], models: dict
     size, the processes: what the data order and random streams follow) the same as this run's; no live lock; a new
     run into another run's folder refused (--overwrite: the old run moved aside whole, then deleted); a resume's flags
     compared with those the checkpoint was trained with (`resume_changes`: `may_change` and --resume-with-changes may
-    differ); resuming an older checkpoint moves the later ones aside (`branch_at`). The main process decides for all."""
+    differ); resuming an older checkpoint moves the later ones aside (`branch_at`); the checkpoint of the run's end
+    (`finished`) exits at once, code 0. The main process decides for all."""
     checkpoint, notes = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if (
         args.resume) else (None, [])
     time_int = int(time.time())
@@ -98,6 +102,9 @@ def claim(accelerator, args, run_state: dict, may_change: set[str], models: dict
                                  f"(then, now): {refused}; they change the run, so resume with the original flags, or "
                                  "name them in --resume-with-changes to go on with them")
             result = {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
+            if saved and saved.get("finished"):  # the run's end (an early one too): a requeued job stops here
+                raise SystemExit(f"--resume {args.resume}: the run ended after update {saved['update']} "
+                                 f"({checkpoint}); nothing is left to train")
             with disk_space_named(output_dir):
                 aside = move_aside(output_dir) if overwrite else None
                 lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
@@ -105,12 +112,18 @@ def claim(accelerator, args, run_state: dict, may_change: set[str], models: dict
                     shutil.rmtree(aside)
                 if own:
                     notes += branch_at(checkpoint)
+        except SystemExit as ended:
+            result = ended
         except (ValueError, OSError) as error:
             result = ValueError(str(error) if isinstance(error, ValueError) else f"--output-dir {output_dir}: {error}")
     result = broadcast_object_list([result])[0]  # the other processes raise the same error, or go on
     if isinstance(result, ValueError):
         raise ValueError(str(result))
-    return RunFolder(output_dir, run_name, checkpoint, saved, result, notes)
+    if isinstance(result, SystemExit):  # exit code 0, the reason printed once
+        if accelerator.is_main_process:
+            print(result.code)
+        raise SystemExit(0)
+    return RunFolder(output_dir, run_name, checkpoint, saved, result, notes, json.loads(json.dumps(asdict(args))))
 
 
 def check_output_dir(output_dir: Path, models: dict[str, str | None]) -> None:
@@ -276,10 +289,11 @@ class Preemption:
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
-def save_checkpoint(accelerator, args, checkpoints: Path, state: dict) -> None:
-    """accelerate's save_state written aside (a name unique to this run), its trainer_state.json (`state`, the flags it
-    was trained with, the format) and checksums added, renamed into place, then `latest` moved: a kill never leaves a
-    half checkpoint. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+def save_checkpoint(accelerator, folder: RunFolder, state: dict) -> None:
+    """accelerate's save_state written aside (a name unique to this run), its trainer_state.json (`state`, the flags
+    the run was launched with, the format) and checksums added, renamed into place, then `latest` moved: a kill never
+    leaves a half checkpoint. --save-total-limit counts this run's checkpoints up to this one, which it keeps."""
+    checkpoints = folder.checkpoints
     owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
     final = checkpoints / f"update-{state['update']:06d}"
     tmp = checkpoints / f".tmp-{final.name}-{owner}"
@@ -291,7 +305,7 @@ def save_checkpoint(accelerator, args, checkpoints: Path, state: dict) -> None:
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            state = {**state, "format": FORMAT, "args": json.loads(json.dumps(asdict(args)))}
+            state = {**state, "format": FORMAT, "args": folder.flags}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             write_checksums(tmp)
             if final.exists():
@@ -300,7 +314,7 @@ def save_checkpoint(accelerator, args, checkpoints: Path, state: dict) -> None:
             write_atomic(checkpoints / "latest", final.name)
             earlier = sorted((p for p in checkpoint_dirs(checkpoints) if update_number(p) < state["update"]),
                              key=update_number)
-            limit = args.save_total_limit
+            limit = folder.flags.get("save_total_limit")
             for old in earlier[:max(len(earlier) - limit + 1, 0)] if limit else []:
                 shutil.rmtree(old)
         accelerator.wait_for_everyone()

@@ -20,6 +20,7 @@ class RunLog:
 
     def __init__(self, args, accelerator, folder: RunFolder, num_updates: int, start_update: int, console):
         self.main_process, self.track, self.num_updates = accelerator.is_main_process, args.track, num_updates
+        self.folder, self.console = folder.path, console
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                                  disable=not self.main_process)
@@ -41,18 +42,35 @@ class RunLog:
         self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
             f"|{k}|{v}|" for k, v in asdict(args).items()))
 
-    def log(self, update: int, metrics: dict) -> None:
+    def log(self, update: int, metrics: dict, samples: list[dict] = ()) -> None:
+        """An update's metrics, and `samples` (a few of its rollout's rows) into training_samples.jsonl."""
         if not self.main_process:
             return
         self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
         self.metrics_file.flush()
+        if samples:
+            with open(self.folder / "training_samples.jsonl", "a") as f:
+                f.writelines(json.dumps({"update": update, **row}, default=str) + "\n" for row in samples)
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, update)
         self.progress.console.print(f"update {update}/{self.num_updates}  " + "  ".join(
             f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
 
+    def samples(self, update: int, rows: list[dict], title: str, shown: int = 5) -> None:
+        """Held-out samples: every row to samples.jsonl (and wandb with --track), the first `shown` on the console
+        without their rendered "query" (their "prompt" is the dataset's)."""
+        if not self.main_process or not rows:
+            return
+        table = Table(*(k for k in rows[0] if k != "query"), title=title, show_lines=True)
+        for row in rows[:shown]:
+            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in row.items() if k != "query"))
+        self.console.print(table)
+        with open(self.folder / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps({"update": update, **row}, default=str) + "\n" for row in rows)
+        self.table("samples", rows)
+
     def table(self, name: str, rows: list[dict]) -> None:
-        """A table of rows (held-out samples) to wandb with --track; the script writes its own files."""
+        """A table of rows (held-out samples) to wandb with --track."""
         if self.main_process and self.track and rows:
             import wandb
 

@@ -51,7 +51,7 @@ class SpeedLayer:
             paths, policy, value_model, value_head, first_queries, pad_token_id, args.temperature)
         self.paths = self.update = FastPaths(script) if self.edited else paths
         num_frozen = self.paths.num_frozen
-        self.static, self.static_note = None, "dynamic KV cache"
+        self.static, self.static_note, self.loop_is_exact = None, "dynamic KV cache", True
         self.keep_candidates = tuple(name for name, use in (("trunk", "policy" in num_frozen),
                                                             ("final", value_head is not None)) if use)
 
@@ -80,9 +80,16 @@ class SpeedLayer:
                 self.static_note = "dynamic KV cache" + (" (--sampler auto off CUDA)" if args.sampler == "auto" else "")
             candidates = () if self.zero3 or self.static else self.keep_candidates
             kept = sampled_states_are_exact(policy, queries, pad_token_id, FastPaths(
-                self.script, num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates,
-                args.temperature, args.response_length, setup.stop_token_id) if candidates else ()
-        self.paths = self.update = replace(self.paths, from_sampling=kept,
+                self.script, num_frozen=self.paths.num_frozen, shared_prefix=shared_prefix), candidates, args,
+                setup.stop_token_id) if candidates else ()
+            # this layer's sampling loop against the script's own `generate` (an edited one included); under ZeRO-3
+            # no shortcut samples, so the script's own sampling runs anyway
+            self.loop_is_exact = self.zero3 or sampling_is_exact(self.script, policy, queries, pad_token_id, args,
+                                                                 setup.stop_token_id)
+        if not self.loop_is_exact:  # the shortcuts would sample otherwise than the script asks
+            self.static, kept, shared_prefix = None, (), False
+            self.static_note = "the script's own `generate` (the speed layer's loop draws otherwise: an edited one?)"
+        self.paths = self.update = replace(self.paths, from_sampling=kept, shared_prefix=shared_prefix,
                                            refused=tuple(name for name in candidates if name not in kept))
 
     def describe(self) -> str:
@@ -98,14 +105,19 @@ class SpeedLayer:
                 f"{'on' if p.shared_prefix else 'off'}; sampler: {self.static_note}")
 
     def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
-        """Phase 1, keeping what sampling computes anyway for `score` (this update's frozen trunk, final states)."""
+        """Phase 1, keeping what sampling computes anyway for `score` (this update's frozen trunk, final states);
+        the script's own sampling where no shortcut applies or its probe found the script's differ."""
         self.update, chunk = self.paths, args.local_rollout_forward_batch_size  # the last update's trunks are freed
+        p = self.paths
+        if not (self.static or p.shared_prefix or p.from_sampling):
+            return self.script.sample_responses(accelerator, model, queries, args, zero3, pad_token_id,
+                                                stop_token_id, generator)
         with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (sampler, synced), \
                 kept_while_sampling(sampler, self.paths) as pieces:
-            generated = [fast_generate(self.script, sampler, queries[i:i + chunk], pad_token_id, args.response_length,
-                                       args.temperature, stop_token_id, generator, synced,
-                                       feed_last=bool(self.paths.from_sampling), share_prefix=self.paths.shared_prefix,
-                                       static=self.static) for i in range(0, queries.size(0), chunk)]
+            generated = [fast_generate(self.script, sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id,
+                                       generator, synced, feed_last=bool(p.from_sampling),
+                                       share_prefix=p.shared_prefix, static=self.static)
+                         for i in range(0, queries.size(0), chunk)]
         responses = self.script.pad_right([r for r, _ in generated], pad_token_id)
         logprobs = self.script.pad_right([lp for _, lp in generated], self.script.INVALID_LOGPROB)
         self.update = self.paths.kept(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
@@ -471,28 +483,38 @@ def kept_while_sampling(policy, paths: FastPaths):
             hook.remove()
 
 
-def sampled_states_are_exact(policy, queries, pad_token_id: int, paths: FastPaths, candidates: tuple,
-                             temperature: float, response_length: int, stop_token_id: int | None) -> tuple:
+def sampled_states_are_exact(policy, queries, pad_token_id: int, paths: FastPaths, candidates: tuple, args,
+                             stop_token_id: int | None) -> tuple:
     """Which of `candidates` sampling with a KV cache keeps close to a full forward, on these queries and responses
     sampled as in a rollout: "trunk" if the log-probs computed from it (the policy's, and at start the reference's)
     agree to `fused_head_is_exact`'s tolerance (sampling's own log-probs differ as much), "final" if the states do."""
     paths = replace(paths, from_sampling=candidates)
     with torch.no_grad(), kept_while_sampling(policy, paths) as pieces:
         generator = torch.Generator(queries.device).manual_seed(0)
-        responses = fast_generate(paths.script, policy, queries, pad_token_id, response_length, temperature,
-                                  stop_token_id, generator, feed_last=True, share_prefix=paths.shared_prefix)[0]
+        responses = fast_generate(paths.script, policy, queries, pad_token_id, args, stop_token_id, generator,
+                                  feed_last=True, share_prefix=paths.shared_prefix)[0]
     qr = torch.cat((queries, responses), 1)
     real = qr != pad_token_id
     kept = paths.kept(pieces, real[:, :queries.size(1)], [responses.size(1)], qr.size(1))
 
     def pair(name):
         if name == "trunk":
-            return [p.response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, temperature)[0][
+            return [p.response_logprobs(policy, qr, pad_token_id, queries.size(1), responses, args.temperature)[0][
                 real[:, queries.size(1):]] for p in (replace(kept, final_hidden=None), FastPaths(paths.script))]
         return kept.final_hidden[real], paths.script.final_hidden_states(policy, qr, pad_token_id)[real]
 
     with torch.no_grad():
         return tuple(name for name in candidates if torch.allclose(*pair(name), rtol=1e-4, atol=1e-4))
+
+
+def sampling_is_exact(script, policy, queries, pad_token_id: int, args, stop_token_id: int | None) -> bool:
+    """Whether `fast_generate`'s loop (no shortcut) draws the script's own `generate`'s tokens and log-probs from the
+    same random numbers: a copier's edited `generate` no longer does, and the script's sampling runs instead."""
+    with torch.no_grad():
+        drawn = [sample(script, policy, queries, pad_token_id, args, stop_token_id, torch.Generator(
+            queries.device).manual_seed(0)) for sample in (fast_generate, lambda script, *a: script.generate(*a))]
+    (tokens, logprobs), (plain_tokens, plain_logprobs) = drawn
+    return torch.equal(tokens, plain_tokens) and torch.allclose(logprobs, plain_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def prefill(script, policy, queries, pad_token_id, share_prefix=False):
@@ -535,22 +557,22 @@ def shared_prefix_is_exact(script, policy, queries, pad_token_id: int) -> bool:
 
 
 @torch.no_grad()
-def fast_generate(script, policy, queries, pad_token_id, response_length, temperature, stop_token_id=None,
-                  generator=None, synced=False, feed_last=False, share_prefix=False, static=None):
+def fast_generate(script, policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
+                  feed_last=False, share_prefix=False, static=None):
     """`generate`, with `prefill`'s shared prefix, `feed_last`: the last tokens go through the model too, so that
     every position's states pass `kept_while_sampling`'s hooks, and `static`: a `StaticSampler` steps instead of the
     model with its dynamic KV cache."""
     out, attention_mask, position_ids = prefill(script, policy, queries, pad_token_id, share_prefix)
-    step_model = static.start(policy, out.past_key_values, attention_mask, position_ids, response_length) if static \
-        else None
+    step_model = static.start(policy, out.past_key_values, attention_mask, position_ids, args.response_length) if (
+        static) else None
     tokens, logprobs, logits = [], [], out.logits[:, -1]
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    for step in range(response_length):
-        token, logprob, finished, done = script.sample_next(logits, temperature, pad_token_id, generator, finished,
+    for step in range(args.response_length):
+        token, logprob, finished, done = script.sample_next(logits, args, pad_token_id, generator, finished,
                                                      stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        last = step == response_length - 1 or done
+        last = step == args.response_length - 1 or done
         if last and not feed_last:
             break
         if step_model is not None:
@@ -635,9 +657,8 @@ class StaticSampler:
         try:
             for static in (self, None):
                 generator = torch.Generator(queries.device).manual_seed(0)
-                responses, logprobs = fast_generate(script, policy, queries, pad_token_id, args.response_length,
-                                                    args.temperature, stop_token_id, generator,
-                                                    share_prefix=share_prefix, static=static)
+                responses, logprobs = fast_generate(script, policy, queries, pad_token_id, args, stop_token_id,
+                                                    generator, share_prefix=share_prefix, static=static)
                 full = script.response_logprobs(policy, torch.cat((queries, responses), 1), pad_token_id,
                                                 queries.size(1), responses, args.temperature)[0]
                 errors.append((logprobs - full).abs().max().item())

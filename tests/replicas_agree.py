@@ -13,7 +13,7 @@ import ppo  # noqa: E402
 save_checkpoint = ppo.save_checkpoint
 
 
-def save_checkpoint_where_replicas_agree(accelerator, checkpoints, state, save_total_limit):
+def save_checkpoint_where_replicas_agree(accelerator, folder, state):
     model = accelerator._models[0]
     weights = (sum(p.detach().double().sum() for p in model.parameters() if p.requires_grad)
                if accelerator.state.deepspeed_plugin is None else torch.zeros((), dtype=torch.float64))
@@ -26,7 +26,7 @@ def save_checkpoint_where_replicas_agree(accelerator, checkpoints, state, save_t
                            f"score moments): {gathered.tolist()}")
     if accelerator.is_main_process:
         print(f"replicas agree after update {state['update']}")
-    save_checkpoint(accelerator, checkpoints, state, save_total_limit)
+    save_checkpoint(accelerator, folder, state)
 
 
 if __name__ == "__main__":

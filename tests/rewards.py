@@ -96,3 +96,31 @@ def progress(completions, trainer_state, log_extra, log_metric, **kwargs):
 
 def raises_inside(completions, **kwargs):
     return [1 / 0 for _ in completions]
+
+
+def reward_func(queries, prompts, labels):
+    """OpenRLHF's convention (a --remote_rm_url .py file): 1 where the query holds its row's label, as a tensor."""
+    import torch
+
+    return torch.tensor([float(label in query[len(prompt):].split()) for query, prompt, label in
+                         zip(queries, prompts, labels)])
+
+
+def reward_func_with_logs(queries, prompts, labels, **kwargs):
+    """OpenRLHF's convention answering a dict: `rewards` and `extra_logs`."""
+    scores = reward_func(queries, prompts, labels)
+    return {"rewards": scores, "scores": scores, "extra_logs": {"query_words": [len(q.split()) for q in queries]}}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's convention: a dict whose `score` is the reward, its other keys logged."""
+    return {"score": float(ground_truth in solution_str), "words": len(solution_str.split()),
+            "source": data_source, "split": extra_info["split"]}
+
+
+def process_index(completions, log_metric, **kwargs):
+    """Logs this process's index (its mean over 2 processes is 0.5); judges every row 0."""
+    from accelerate import PartialState
+
+    log_metric("process", float(PartialState().process_index))
+    return [0.0] * len(completions)

@@ -13,7 +13,7 @@ import torch
 import tyro
 
 import ppo
-from conftest import REWARD_FN, ROOT, run_ppo, without_wall_clock
+from conftest import ROOT, run_ppo, without_wall_clock
 from conftest import tiny_args as args_for
 
 
@@ -138,8 +138,10 @@ def test_resume_auto_starts_fresh_and_refuses_other_batch_settings(assets, tmp_p
     assert [r["update"] for r in rows] == [1]  # no checkpoint yet: a fresh run
     other = args_for(assets, "--total-episodes", "16", "--per-device-train-batch-size", "2", "--resume", "auto")
     proc, _ = run_ppo(other, tmp_path / "run", check=False)
-    assert proc.returncode != 0 and "flags differ" in proc.stderr and "per_device_train_batch_size" in proc.stderr
-    # named on purpose, the flag passes; the batch arithmetic the checkpoint assumed still refuses it
+    # the batch arithmetic the checkpoint assumed refuses it, naming the flag, and offers no --resume-with-changes
+    assert proc.returncode != 0 and "the run's settings changed" in proc.stderr
+    assert "per_device_train_batch_size" in proc.stderr and "--resume-with-changes" not in proc.stderr
+    # named on purpose, it is still refused
     proc, _ = run_ppo(other + ["--resume-with-changes", "per-device-train-batch-size"], tmp_path / "run", check=False)
     assert proc.returncode != 0 and "the run's settings changed" in proc.stderr and "batch_size" in proc.stderr
 

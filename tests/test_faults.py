@@ -153,14 +153,15 @@ def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
     from accelerate import Accelerator
 
     accelerator, checkpoints = Accelerator(cpu=True), tmp_path / "checkpoints"
+    kept = lambda limit: run_folder.RunFolder(tmp_path, "run", flags={"save_total_limit": limit})  # noqa: E731
     for update in (5, 8):
         (checkpoints / f"update-00000{update}").mkdir(parents=True)
         (checkpoints / f"update-00000{update}" / "trainer_state.json").write_text("{}")
-    run_folder.save_checkpoint(accelerator, ppo.Args(save_total_limit=1), checkpoints, {"update": 6})
+    run_folder.save_checkpoint(accelerator, kept(1), {"update": 6})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000008"]
     assert (checkpoints / "latest").read_text() == "update-000006"
     assert run_folder.checkpoint_problem(checkpoints / "update-000006") is None
-    run_folder.save_checkpoint(accelerator, ppo.Args(save_total_limit=2), checkpoints, {"update": 7})
+    run_folder.save_checkpoint(accelerator, kept(2), {"update": 7})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000007",
                                                              "update-000008"]
 

@@ -57,6 +57,11 @@ def claim(accelerator, out, **flags):
     return run_folder.claim(accelerator, Flags(output_dir=str(out), **flags), STATE, {"save_every"})
 
 
+def folder_of(path, **flags):
+    """A run folder at `path` as `claim` leaves it, launched with `flags`."""
+    return run_folder.RunFolder(path, "run", flags=dataclasses.asdict(Flags(**flags)))
+
+
 def test_claim_takes_a_new_folder_and_refuses_another_runs(accelerator, tmp_path):
     out = tmp_path / "run"
     folder = claim(accelerator, out)
@@ -77,7 +82,7 @@ def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, t
     out = tmp_path / "run"
     folder = claim(accelerator, out)
     run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
-    run_folder.save_checkpoint(accelerator, Flags(output_dir=str(out)), folder.checkpoints, dict(update=2, **STATE))
+    run_folder.save_checkpoint(accelerator, folder, dict(update=2, **STATE))
     resumed = claim(accelerator, out, resume="auto", save_every=2)
     assert resumed.checkpoint == out / "checkpoints" / "update-000002" and resumed.saved["update"] == 2
     assert resumed.changes == {"save_every": [0, 2]} and resumed.banner_lines() == [
@@ -90,10 +95,24 @@ def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, t
         run_folder.claim(accelerator, Flags(output_dir=str(out), resume="auto"), {**STATE, "num_prompts": 41}, set())
 
 
+def test_a_checkpoint_carries_the_flags_the_run_was_launched_with(accelerator, tmp_path):
+    """A schedule that sets a flag as the run goes (here args.learning_rate) changes no checkpoint's flags: a resume
+    with the flags the run was launched with differs in none. A finished run's checkpoint ends a resume at once."""
+    out, flags = tmp_path / "run", Flags(output_dir=str(tmp_path / "run"))
+    folder = run_folder.claim(accelerator, flags, STATE, set())
+    flags.learning_rate = 0.5  # as a schedule in the loop would set it
+    run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=False, **STATE))
+    assert claim(accelerator, out, resume="auto").changes == {}
+    run_folder.save_checkpoint(accelerator, folder, dict(update=3, finished=True, **STATE))
+    with pytest.raises(SystemExit) as stopped:
+        claim(accelerator, out, resume="auto")
+    assert stopped.value.code == 0
+
+
 def test_checkpoints_are_verified_and_pruned(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2, 3):
-        run_folder.save_checkpoint(accelerator, Flags(save_total_limit=2), checkpoints, {"update": update})
+        run_folder.save_checkpoint(accelerator, folder_of(tmp_path, save_total_limit=2), {"update": update})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000002", "update-000003"]
     assert run_folder.find_checkpoint("auto", tmp_path) == (checkpoints / "update-000003", [])
     state = checkpoints / "update-000003" / "trainer_state.json"
@@ -187,7 +206,7 @@ def test_writes_are_whole_or_absent(tmp_path):
 def test_damage_to_latest_or_the_checksums_is_named_and_an_older_whole_checkpoint_taken(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2):
-        run_folder.save_checkpoint(accelerator, Flags(), checkpoints, {"update": update})
+        run_folder.save_checkpoint(accelerator, folder_of(tmp_path), {"update": update})
     (checkpoints / "latest").write_bytes(b"\xff\xfe garbage")
     found, notes = run_folder.find_checkpoint("auto", tmp_path)
     assert found == checkpoints / "update-000002" and "latest is damaged" in notes[0]

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 
@@ -24,6 +25,13 @@ TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_
 def common(assets, *extra):
     return ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(assets["prompts"]),
             "--dataset-train-split", "train", *TINY, *extra]
+
+
+def sampling(response_length: int, temperature: float):
+    """What `generate` and `sample_next` read of `Args`."""
+    import types
+
+    return types.SimpleNamespace(response_length=response_length, temperature=temperature)
 
 
 def learning_args(assets, *extra):
@@ -198,12 +206,14 @@ def test_eval_is_deterministic_and_leaves_training_alone(eval_runs):
 
 
 def test_sample_tables_show_the_prompt_as_the_dataset_gave_it():
-    assert ppo.prompt_text("a movie review") == "a movie review"
+    from ppo_harness.rewards import prompt_text
+
+    assert prompt_text("a movie review") == "a movie review"
     chat = [{"role": "system", "content": "You are a helpful AI assistant"}, {"role": "user", "content": "Continue"}]
-    assert ppo.prompt_text(chat) == "Continue"
+    assert prompt_text(chat) == "Continue"
     # a final assistant message is the prefix the policy continues: shown after the user message
-    assert ppo.prompt_text(chat + [{"role": "assistant", "content": "The plot"}]) == "Continue The plot"
-    assert ppo.prompt_text([{"role": "system", "content": "s"}]) == "s"  # no user message: the last one
+    assert prompt_text(chat + [{"role": "assistant", "content": "The plot"}]) == "Continue The plot"
+    assert prompt_text([{"role": "system", "content": "s"}]) == "s"  # no user message: the last one
 
 
 def test_zero_learning_rate_ratio_is_one(assets, tmp_path):
@@ -291,7 +301,7 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     policy, _ = tiny
     queries = ppo.left_pad([[3, 4, 5, 6], [7, 8], [9]], PAD)
     gen = torch.Generator().manual_seed(0)
-    responses, logprobs = ppo.generate(policy, queries, PAD, 6, 0.8, stop_token_id=None, generator=gen)
+    responses, logprobs = ppo.generate(policy, queries, PAD, sampling(6, 0.8), stop_token_id=None, generator=gen)
     assert responses.shape == logprobs.shape == (3, 6)
     with torch.no_grad():
         logits = ppo.scale_logits(ppo.policy_logits(policy, torch.cat((queries, responses), 1), PAD, 4), 0.8, PAD)
@@ -326,7 +336,7 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, m
         assert tuple(shapes[0]) == ((1, n) if n else queries.shape)
         torch.testing.assert_close(shared[0].logits, full[0].logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(shared[2], full[2])
-        sampled = [speed.fast_generate(ppo, policy, queries, PAD, 6, 0.8, generator=torch.Generator().manual_seed(0),
+        sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(6, 0.8), generator=torch.Generator().manual_seed(0),
                                      share_prefix=share) for share in (True, False)]
         assert torch.equal(sampled[0][0], sampled[1][0])
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=1e-5, atol=1e-5)
@@ -347,7 +357,7 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, m
 def test_generate_stops_once_every_row_has_the_stop_token(tiny):
     policy, _ = tiny
     queries = ppo.left_pad([[3, 4], [5]], PAD)
-    responses, _ = ppo.generate(policy, queries, PAD, 50, 1.0, stop_token_id=0, generator=torch.Generator())
+    responses, _ = ppo.generate(policy, queries, PAD, sampling(50, 1.0), stop_token_id=0, generator=torch.Generator())
     truncated = ppo.truncate_response(0, PAD, responses)
     assert responses.size(1) == 50 or (responses == 0).any(1).all()
     assert ((truncated == 0).sum(1) <= 1).all()
@@ -369,10 +379,10 @@ class FavourToken7(torch.nn.Module):
 def test_generate_never_samples_an_in_vocab_pad(tiny):
     biased = FavourToken7(tiny[0])
     queries = ppo.left_pad([[3, 4], [5, 6]], PAD)
-    favoured, _ = ppo.generate(biased, queries, PAD, 5, 1.0, generator=torch.Generator().manual_seed(0))
+    favoured, _ = ppo.generate(biased, queries, PAD, sampling(5, 1.0), generator=torch.Generator().manual_seed(0))
     assert (favoured == 7).all()  # the bias works ...
     queries = ppo.left_pad([[3, 4], [5, 6]], 7)
-    responses, logprobs = ppo.generate(biased, queries, 7, 5, 1.0, generator=torch.Generator().manual_seed(0))
+    responses, logprobs = ppo.generate(biased, queries, 7, sampling(5, 1.0), generator=torch.Generator().manual_seed(0))
     assert not (responses == 7).any() and torch.isfinite(logprobs).all()  # ... yet pad 7 is never sampled
 
 
@@ -444,23 +454,36 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
         assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
 
 
+def copy_of_script(edit: str):
+    """ppo.py run afresh as a module, with `edit` (source that redefines some of its functions) after it: the
+    copy's functions look names up in the copy, as a copier's edited script's do."""
+    import sys
+    import types
+
+    copy = types.ModuleType("edited_ppo")
+    copy.__dict__["__file__"] = ppo.__file__
+    source = pathlib.Path(ppo.__file__).read_text().replace('if __name__ == "__main__":', "if False:")
+    sys.modules[copy.__name__] = copy  # dataclasses look their module up
+    try:
+        exec(compile(source + "\n" + edit, ppo.__file__, "exec"), copy.__dict__)
+    finally:
+        del sys.modules[copy.__name__]
+    return copy
+
+
 def test_an_edited_forward_is_followed_or_switches_the_shortcuts_off(assets):
     """The speed layer computes the script's forwards through its shortcuts. A copier's edited `value_forward` (here
     doubled) is what the shortcuts call on the hidden states they hold, so it takes effect there too; an edited
     `response_logprobs` no longer matches the fused head, so the start-up probe runs the plain path instead."""
-    import types
-
     policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
     head = ppo.new_value_head(32)
     torch.nn.init.normal_(head.weight)
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10]], PAD)
-    edited = {}
-    for name in ("value_forward", "response_logprobs"):
-        edited[name] = types.ModuleType(f"edited_{name}")
-        edited[name].__dict__.update(vars(ppo))
-        plain = getattr(ppo, name)
-        setattr(edited[name], name, lambda *a, f=plain, n=name, **k: tuple(2 * t for t in f(*a, **k)) if n ==
-                "response_logprobs" else 2 * f(*a, **k))
+    edited = {name: copy_of_script(f"plain = {name}\n"
+                                   f"def {name}(*a, **k):\n"
+                                   f"    out = plain(*a, **k)\n"
+                                   f"    return tuple(2 * t for t in out) if isinstance(out, tuple) else 2 * out")
+              for name in ("value_forward", "response_logprobs")}
     assert speed.paths_are_exact(speed.FastPaths(ppo, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
     script = edited["value_forward"]
     fast = speed.FastPaths(script, True, {"policy": 1})
@@ -470,6 +493,23 @@ def test_an_edited_forward_is_followed_or_switches_the_shortcuts_off(assets):
                                    2 * ppo.value_forward(policy, qr, PAD, 2, head))
     script = edited["response_logprobs"]
     assert not speed.paths_are_exact(speed.FastPaths(script, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
+    # sampling: an edited `sample_next` is what the speed layer's loop draws with; an edited `generate` is not, so its
+    # probe finds the loop differ and the script's own sampling runs
+    args = sampling(6, 0.7)
+    assert speed.sampling_is_exact(ppo, policy, qr, PAD, args, None)
+    greedy = copy_of_script("plain_sample_next = sample_next\n"  # near-greedy: followed by the speed layer
+                            "def sample_next(logits, *a): return plain_sample_next(logits * 100, *a)")
+    fast = speed.fast_generate(greedy, policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
+    plain = greedy.generate(policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
+    drawn = ppo.generate(policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fast[0], plain[0]) and not torch.equal(plain[0], drawn[0])  # the edit took effect
+    assert speed.sampling_is_exact(greedy, policy, qr, PAD, args, None)
+    edited_generate = copy_of_script("plain_generate = generate\n"  # a lower temperature inside generate: not followed
+                                     "import types\n"
+                                     "def generate(policy, queries, pad, args, *a, **k):\n"
+                                     "    args = types.SimpleNamespace(**{**vars(args), 'temperature': 0.1})\n"
+                                     "    return plain_generate(policy, queries, pad, args, *a, **k)")
+    assert not speed.sampling_is_exact(edited_generate, policy, qr, PAD, args, None)
 
 
 @pytest.mark.parametrize("num_frozen", [1, 2])
@@ -510,7 +550,7 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_pr
     queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14], [3, 4, 16]], PAD)
     fast = speed.FastPaths(ppo, num_frozen={"policy": 1}, from_sampling=("trunk", "final"), shared_prefix=share_prefix)
     with torch.no_grad(), speed.kept_while_sampling(policy, fast) as pieces:
-        chunks = [speed.fast_generate(ppo, policy, queries[i:i + 2], PAD, n, 0.7, stop_token_id=stop, feed_last=True,
+        chunks = [speed.fast_generate(ppo, policy, queries[i:i + 2], PAD, sampling(n, 0.7), stop_token_id=stop, feed_last=True,
                                generator=torch.Generator().manual_seed(i), share_prefix=share_prefix)[0]
                   for i, n, stop in ((0, 6, None), (2, 6, 7))]  # the second stops at its 7s (or runs 6 tokens)
     assert [p.size(0) for p in pieces["trunk"]].count(1) == (2 if share_prefix else 0)  # the [3, 4] run once
@@ -529,13 +569,13 @@ def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_pr
         ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
         torch.testing.assert_close(kept.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0],
                                    ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
-    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == (
+    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(6, 0.7), 7) == (
         "trunk", "final")
     hook = shift_first_block(policy, lambda hidden: hidden.size(1) == 1)  # a drifting cache: decoding steps shifted
-    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 6, 7) == ()
+    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(6, 0.7), 7) == ()
     hook.remove()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: a KV cache drifts from a full forward over a rollout
-        assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), 0.7, 32, None) != (
+        assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(32, 0.7), None) != (
             "trunk", "final")
 
 
@@ -787,7 +827,7 @@ def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, a
               ([[3, 4, 5, 6, 7], [3, 4, 11], [3, 4, 12, 14]], None)]
     for i, (rows, stop) in enumerate(chunks):
         queries = ppo.left_pad(rows, PAD)
-        sampled = [speed.fast_generate(ppo, policy, queries, PAD, 12, 0.7, stop, torch.Generator().manual_seed(i),
+        sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(12, 0.7), stop, torch.Generator().manual_seed(i),
                                      share_prefix=share_prefix, static=s) for s in (static, None)]
         assert torch.equal(sampled[0][0], sampled[1][0])
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5)
@@ -836,7 +876,8 @@ def test_the_script_runs_without_the_speed_module(assets, tmp_path):
 
 def test_an_early_end_set_in_phase_7_scores_and_saves_as_the_last_update_does(assets, tmp_path):
     """The early end its ALGO LOGIC marker asks for, `last = last or <condition>` on the line after it, in a copy beside
-    ppo.py: the run ends after that update with its held-out score, the models and a checkpoint."""
+    ppo.py: the run ends after that update with its held-out score, the models and a checkpoint, which a resume takes
+    as the run's end."""
     source = (ROOT / "ppo.py").read_text()
     marker = "        # ALGO LOGIC: an early end: `last = last or <condition>` here"
     assert source.count(marker) == 1
@@ -851,6 +892,10 @@ def test_an_early_end_set_in_phase_7_scores_and_saves_as_the_last_update_does(as
     assert [r["update"] for r in rows] == [1] and "eval/scores" in rows[0]
     assert (tmp_path / "run" / "model.safetensors").exists()
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("update-*")] == ["update-000001"]
+    # its checkpoint says the run ended: a requeued job's --resume auto trains nothing more
+    proc, rows = run_ppo(common(assets, "--reward-fn", REWARD_FN, "--total-episodes", "48", "--resume", "auto"),
+                         tmp_path / "run")
+    assert "the run ended after update 1" in proc.stdout and [r["update"] for r in rows] == [1]
 
 
 def test_static_cache_sampler_in_a_run_matches_the_dynamic_cache(assets, tmp_path):

@@ -1,13 +1,15 @@
-"""The quick check after an edit (about a minute on 2 CPU cores): each script, or an edited copy of it, trains two
-short runs on tiny models, one through the speed layer and one with --no-fast-paths, and they agree update by
-update (a copier's edited forward switches the shortcuts off, so the two still agree).
+"""The quick check after an edit (about a minute and a half on 2 CPU cores): each script, or an edited copy of it,
+trains short runs on tiny models: one through the speed layer and one with --no-fast-paths agree update by update (a
+copier's edited forward switches the shortcuts off, so the two still agree), and a resume from the first update's
+checkpoint gives the second update again (what the loop keeps across updates is in the checkpoint).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q -p no:cacheprovider
-    PPO_SCRIPT=my_ppo.py PPO_TLDR_SCRIPT=my_ppo_tldr.py HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
+    PPO_SCRIPT=my_ppo.py PPO_ARGS="--my-flag 0.3" HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
 
-A copy lives beside the original, where it finds ppo_harness/."""
+A copy lives beside the original, where it finds ppo_harness/; PPO_ARGS and PPO_TLDR_ARGS add flags to every run."""
 import math
 import os
+import shlex
 
 import pytest
 
@@ -16,17 +18,36 @@ from test_tldr import tiny_args as tldr_args
 from test_tldr import tldr  # noqa: F401 (the TL;DR fixture: tiny models with a biased reward model, posts)
 
 SCRIPTS = {"ppo": os.environ.get("PPO_SCRIPT", "ppo.py"), "tldr": os.environ.get("PPO_TLDR_SCRIPT", "ppo_tldr.py")}
+EXTRA = {"ppo": shlex.split(os.environ.get("PPO_ARGS", "")), "tldr": shlex.split(os.environ.get("PPO_TLDR_ARGS", ""))}
 
 
-@pytest.mark.parametrize("kind", ["ppo", "tldr"])
-def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forwards(request, assets, tmp_path, kind):
+def quick_args(request, assets, kind: str) -> list[str]:
+    """Two updates on the tiny models, with the copier's flags."""
     if kind == "ppo":
         args = tiny_args(assets, "--eval-samples", "4", "--num-trainable-layers", "1", "--shared-value-head")
     else:
         args = tldr_args(request.getfixturevalue("tldr"), "--total-episodes", "32")
+    return args + EXTRA[kind]
+
+
+@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forwards(request, assets, tmp_path, kind):
+    args = quick_args(request, assets, kind)
     fast, fast_rows = run_ppo(args, tmp_path / "fast", script=SCRIPTS[kind])
     plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script=SCRIPTS[kind])
     assert len(fast_rows) == 2 and all(math.isfinite(v) for r in fast_rows for v in r.values()
                                        if isinstance(v, float))
     assert (tmp_path / "fast" / "model.safetensors").exists() and "fast paths: off" in plain.stdout
     assert_same_run(plain_rows, fast_rows, rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+def test_a_resume_from_the_first_updates_checkpoint_gives_the_second_update_again(request, assets, tmp_path, kind):
+    """State the loop carries from one update to the next (its ALGO LOGIC marker at the checkpoint) must be saved:
+    the second update, resumed into a new folder, is the whole run's."""
+    args = [*quick_args(request, assets, kind), "--save-every", "1"]
+    _, whole = run_ppo(args, tmp_path / "whole", script=SCRIPTS[kind])
+    first = tmp_path / "whole" / "checkpoints" / "update-000001"
+    _, resumed = run_ppo([*args, "--resume", str(first)], tmp_path / "resumed", script=SCRIPTS[kind])
+    assert len(whole) == 2 and [r["update"] for r in resumed] == [2]
+    assert_same_run(resumed, whole[1:], rel=1e-6)

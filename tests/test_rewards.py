@@ -375,9 +375,40 @@ def test_none_adds_nothing_and_its_share_is_logged(assets, tmp_path):
     assert any(0 < r.get("objective/scores_none/judges_w7_only", 0) < 1 for r in rows)
 
 
-def test_a_row_no_reward_judges_is_refused_before_any_step(assets, tmp_path):
+def update_rows_with_evaluation(run):
+    """metrics.jsonl's rows that hold a held-out evaluation, update 0's included."""
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval/scores" in r]
+
+
+def test_a_row_no_reward_judges_is_left_out_of_the_update_or_refused(assets, tmp_path):
+    """As TRL: a row every reward function returned None for is left out of the update (its tokens count in neither
+    loss nor whitening statistics) and counted in objective/unjudged_rows; with no row judged the policy does not move.
+    --unjudged-rows stop refuses the batch before any optimizer step instead."""
+    from safetensors.torch import load_file
+
     args = ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(assets["prompts"]), *TINY]
-    proc, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:never_judges"], tmp_path / "none", check=False)
+    proc, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:never_judges", "--unjudged-rows", "skip",
+                          "--eval-samples", "0"], tmp_path / "skip")
+    assert [r["objective/unjudged_rows"] for r in rows] == [16, 16]
+    assert all(r["loss/policy_avg"] == r["policy/approxkl_avg"] == r["policy/clipfrac_avg"] == 0 for r in rows)
+    start, end = load_file(assets["sft"] / "model.safetensors"), load_file(tmp_path / "skip" / "model.safetensors")
+    assert all(torch.equal(start[k], end[k]) for k in start)  # zero gradients: AdamW moves nothing
+    _, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:judges_w7_only", "--eval-samples", "8"],
+                      tmp_path / "some")
+    assert all(0 < r["objective/unjudged_rows"] < 16 for r in rows)
+    # held out: an unjudged row's score is None, and eval/scores is the mean over the judged ones
+    samples = [json.loads(line) for line in (tmp_path / "some" / "samples.jsonl").read_text().splitlines()]
+    evaluations = {r["update"]: r for r in update_rows_with_evaluation(tmp_path / "some")}
+    mixed = 0
+    for update, row in evaluations.items():
+        scores = [s["score"] for s in samples if s["update"] == update]
+        judged = [score for score in scores if score is not None]
+        assert all(s["judges_w7_only"] is None for s in samples if s["update"] == update and s["score"] is None)
+        assert row["eval/scores"] == pytest.approx(sum(judged) / len(judged) if judged else 0.0, rel=1e-6)
+        mixed += 0 < len(judged) < len(scores)
+    assert mixed > 0
+    proc, rows = run_ppo([*args, "--reward-fn", "tests/rewards.py:never_judges", "--unjudged-rows", "stop"],
+                         tmp_path / "none", check=False)
     assert proc.returncode != 0 and "every reward returned None for the prompt" in proc.stderr
     assert not (tmp_path / "none" / "checkpoints").exists()
     # a function that goes wrong later stops the run at that update's scoring; the last checkpoint stays

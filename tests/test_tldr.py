@@ -41,6 +41,13 @@ def tldr_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def sampling(response_length: int, temperature: float):
+    """What `generate` and `sample_next` read of `Args`."""
+    import types
+
+    return types.SimpleNamespace(response_length=response_length, temperature=temperature)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -273,7 +280,7 @@ def test_responses_are_response_length_wide_when_every_row_stops_early():
             logits[..., 0] = 20.0
             return type("Output", (), dict(logits=logits, past_key_values=None))
 
-    responses, logprobs = ppo_tldr.generate(AlwaysEos(), torch.tensor([[1, 2], [7, 3]]), 7, 6, 0.7, stop_token_id=0)
+    responses, logprobs = ppo_tldr.generate(AlwaysEos(), torch.tensor([[1, 2], [7, 3]]), 7, sampling(6, 0.7), stop_token_id=0)
     assert responses.tolist() == [[0]] * 2  # the eos, and sampling stops
     responses, logprobs = ppo_tldr.pad_columns(responses, 6, 7), ppo_tldr.pad_columns(logprobs, 6, 1.0)
     assert responses.tolist() == [[0, 7, 7, 7, 7, 7]] * 2

@@ -17,10 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
 import ppo
-from ppo_harness.rewards import TrainerState, call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.rewards import RewardLogs, call_reward_fn, call_reward_fns, reward_fn_kwargs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 
@@ -59,7 +59,9 @@ def test_trainer_keywords_reach_functions_and_their_logs_come_back():
 
     rewards = text_rewards([curriculum, exact], ["curriculum", "exact"])
     scores, components = ppo.score_responses(rewards, torch.tensor([[2, 3], [31, 4]]), RESPONSES, ROWS, 3)
-    assert seen["state"] == TrainerState(global_step=3, max_steps=4, epoch=1.5)
+    state = seen["state"]  # transformers' TrainerState, as TRL passes its trainer's
+    assert isinstance(state, TrainerState) and (state.global_step, state.max_steps, state.epoch) == (3, 4, 1.5)
+    assert state.num_train_epochs == 2 and state.is_world_process_zero and state.is_local_process_zero
     assert components["curriculum"].tolist() == [1.0, 0.0] and scores.tolist() == [1.5, 0.5]
     assert components.columns == {"solution": ["w7", "w9"], "score_2": [9, 9], "length": [5, 2], "length_2": [0, 0]}
     assert components.metrics == {"accuracy": [1.0, 0.0]}
@@ -202,11 +204,15 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     base, got = server
     served = lambda path, retries=2: ppo.load_reward_fn(base + path, 0.2, retries)  # noqa: E731
     kwargs = dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []], solution=["x", "y"],
-                  trainer_state=TrainerState(2, 4, 1.0), log_extra=print, log_metric=print)
+                  trainer_state=TrainerState(global_step=2, max_steps=4, epoch=1.0), log_extra=print,
+                  log_metric=print)
     scores = call_reward_fn(served("/ok"), kwargs, "cpu", base + "/ok")
     assert scores[0] == 5.0 and scores[1].isnan()  # null: the row is not judged
-    assert got[-1] == ("/ok", dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []],
-                                   solution=["x", "y"], trainer_state=dict(global_step=2, max_steps=4, epoch=1.0)))
+    path, body = got[-1]
+    state = body.pop("trainer_state")
+    assert path == "/ok" and body == dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []],
+                                          solution=["x", "y"])
+    assert (state["global_step"], state["max_steps"], state["epoch"]) == (2, 4, 1.0) and "is_world_process_zero" in state
     flaky = served("/flaky")
     flaky.backoff = 0.01
     assert call_reward_fn(flaky, kwargs, "cpu", "flaky")[0] == 5.0  # two 500s, then an answer
@@ -224,6 +230,18 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     with pytest.raises(ValueError, match=re.escape("/short, called with the keywords") + ".* expected a list of 2"):
         call_reward_fn(served("/short"), kwargs, "cpu", base + "/short")
     assert [path for path, _ in got].count("/missing") == 1
+
+
+def test_openrlhfs_protocol_posted_to_a_server_of_ours_names_the_flag(server):
+    """--reward-url-protocol openrlhf posts {"query", "prompts", "labels"}; a server that reads this script's keywords
+    fails on it, and the error names the flag."""
+    base, got = server
+    fn = ppo.load_reward_fn(base + "/ok", 0.2, 0, "openrlhf", "solution")
+    kwargs = dict(queries=["a w7"], rendered_prompts=["a"], prompts=["a"], completions=["w7"], completion_ids=[[8]],
+                  solution=["x"], **RewardLogs(1).keywords())
+    with pytest.raises(RuntimeError, match=re.escape("(posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")):
+        call_reward_fn(fn, kwargs, "cpu", base + "/ok")
+    assert got[-1][1] == {"query": ["a w7"], "prompts": ["a"], "labels": ["x"]}
 
 
 def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
@@ -251,7 +269,6 @@ def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
     ("tests/rewards.py:never_judges", ValueError, "every reward returned None for the prompt 'w"),
     ("tests/rewards.py:raises_inside", RuntimeError, "--reward-fn tests/rewards.py:raises_inside, called with the "
      "keywords prompts, completions, completion_ids, trainer_state, log_extra, log_metric, raised ZeroDivisionError"),
-    ("http://127.0.0.1:PORT/score", RuntimeError, "http://127.0.0.1:PORT/score failed after 1 tries"),
     ("COLUMN", ValueError, "column(s) ['log_metric'] would collide with the keywords"),  # a column named as TRL's
 ])
 def test_start_up_refuses_before_models_load(assets, tmp_path, reward_fn, error, message):
@@ -264,7 +281,8 @@ def test_start_up_refuses_before_models_load(assets, tmp_path, reward_fn, error,
                                    for line in assets["prompts"].read_text().splitlines()))
     args = ppo.Args(sft_model_path=str(assets["sft"]), reward_fn=reward_fn, dataset_name=str(prompts),
                     output_dir=str(tmp_path / "run"), total_episodes=16, per_device_train_batch_size=4,
-                    num_mini_batches=4, eval_samples=4, num_trainable_layers=None, reward_url_retries=0)
+                    num_mini_batches=4, eval_samples=4, num_trainable_layers=None, reward_url_retries=0,
+                    unjudged_rows="stop")
     with pytest.raises(error, match=re.escape(message)):
         ppo.main(args)
     assert not (tmp_path / "run").exists()
@@ -340,3 +358,21 @@ def test_a_served_reward_model_and_trl_functions_drive_a_run(served_run, chat): 
     assert {s["gold_parsed"] for s in samples} == {"[3, '3']", "[unparseable]"}  # some rows judged, some None
     assert "objective/scores_none/accuracy_reward" in metrics[1] and "reward remote (weight 1): function" in re.sub(
         r"\s+", " ", proc.stdout)
+
+
+def test_trl_rewards_run_as_installed(chat, tmp_path):  # noqa: F811
+    """The README's line, `pip install --no-deps trl==1.12.0` (.ci/run does it): trl.rewards' own functions, imported
+    from the package, score a run; accuracy_reward's None (a solution math_verify cannot parse) leaves a row out."""
+    trl = pytest.importorskip("trl")
+    assert trl.__version__ == "1.12.0"
+    lines = chat["prompts"].read_text().splitlines()
+    data = tmp_path / "solutions.jsonl"
+    data.write_text("".join(json.dumps({**json.loads(line), "solution": ["3", "w3"][i % 2]}) + "\n"
+                            for i, line in enumerate(lines)))
+    _, rows = run_ppo(["--sft-model-path", str(chat["sft"]), "--reward-fn", "trl.rewards:accuracy_reward",
+                       "trl.rewards:think_format_reward", "--dataset-name", str(data), *TINY, "--eval-samples", "8"],
+                      tmp_path / "run")
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert {s["accuracy_reward"] for s in samples} <= {0.0, 1.0, None} and None in {s["accuracy_reward"] for s in samples}
+    assert {s["think_format_reward"] for s in samples} == {0.0}  # the tiny policy writes no <think>
+    assert all("objective/scores/accuracy_reward" in r for r in rows)

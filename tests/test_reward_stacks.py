@@ -1,0 +1,154 @@
+"""Rewards from the other stacks, unchanged: OpenRLHF's reward server (its own handler, tests/openrlhf_58ec6ff) and its
+`reward_func(queries, prompts, labels)` files, verl's data layout and `compute_score` (its GSM8K scorer,
+tests/verl_945104d), and one judge call per row on two processes, none at start-up."""
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import ROOT, TINY, free_port, launch, run_ppo
+from ppo_harness.rewards import RewardLogs, VerlComputeScore, call_reward_fn, load_reward_fn
+from test_rewards import chat  # noqa: F401 (the chat policy and its prompts)
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def openrlhf_server(assets):
+    """OpenRLHF's serve_rm.py, unchanged, scoring a query by its token count in the policy's tokenizer."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "openrlhf_server.py"), "--reward_pretrain",
+                             str(assets["sft"]), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _ in range(100):
+        try:
+            import socket
+
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}/get_reward"
+    proc.kill()
+
+
+def test_an_openrlhf_reward_server_scores_a_run_as_it_is(assets, tmp_path, openrlhf_server):
+    """--reward-url-protocol openrlhf posts {"query", "prompts", "labels"}: each held-out score is the token count
+    of its prompt and response, which the server's handler computed; its extra_logs are logged."""
+    from transformers import AutoTokenizer
+
+    _, rows = run_ppo(["--sft-model-path", str(assets["sft"]), "--dataset-name", str(assets["prompts"]),
+                       "--reward-fn", openrlhf_server, "--reward-url-protocol", "openrlhf", *TINY,
+                       "--eval-every", "1"], tmp_path / "run")
+    tokenizer = AutoTokenizer.from_pretrained(assets["sft"])
+    samples = lines(tmp_path / "run" / "samples.jsonl")
+    for sample in samples:
+        expected = len(tokenizer(sample["query"])["input_ids"]) + len(tokenizer(sample["model response"])["input_ids"])
+        assert sample["score"] == sample["remote"] == expected
+    assert all(r["objective/reward_fn/dummy_scores"] == pytest.approx(r["objective/scores/remote"]) for r in rows)
+
+
+def test_our_protocol_against_an_openrlhf_server_names_the_mismatch(assets, tmp_path, openrlhf_server):
+    proc, _ = run_ppo(["--sft-model-path", str(assets["sft"]), "--dataset-name", str(assets["prompts"]),
+                       "--reward-fn", openrlhf_server, "--reward-url-retries", "0", *TINY], tmp_path / "run",
+                      check=False)
+    assert proc.returncode != 0 and "needs --reward-url-protocol openrlhf" in proc.stderr
+
+
+@pytest.mark.parametrize("fn", ["reward_func", "reward_func_with_logs"])
+def test_an_openrlhf_reward_func_file_runs_as_it_is(assets, tmp_path, fn):
+    """`reward_func(queries, prompts, labels)` from a .py file, as OpenRLHF's --remote_rm_url loads it: `labels`
+    from --label-key's column; a tensor, or a dict of `rewards` and `extra_logs`."""
+    data = tmp_path / "labelled.jsonl"
+    data.write_text("".join(json.dumps({**json.loads(line), "answer": "w7"}) + "\n"
+                            for line in assets["prompts"].read_text().splitlines()))
+    _, rows = run_ppo(["--sft-model-path", str(assets["sft"]), "--dataset-name", str(data), "--reward-fn",
+                       f"tests/rewards.py:{fn}", "--label-key", "answer", *TINY, "--eval-every", "1"],
+                      tmp_path / "run")
+    for sample in lines(tmp_path / "run" / "samples.jsonl"):
+        assert sample["score"] == float("w7" in sample["model response"].split())
+    if fn == "reward_func_with_logs":
+        assert all("objective/reward_fn/query_words" in r and "eval/reward_fn/query_words" in r for r in rows)
+
+
+def verl_rows(n: int) -> list[dict]:
+    """Rows in verl's layout (its gsm8k.py preprocessing): data_source, a chat prompt, ability, reward_model with the
+    ground truth, extra_info."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"w{i % 9} w{(i * 7) % 29}"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": "w7"},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+
+
+def test_a_verl_parquet_and_compute_score_train_as_they_are(chat, tmp_path):
+    """A parquet file in verl's layout trains as it is; compute_score is called per row with data_source,
+    solution_str (the response's text), reward_model's ground_truth and extra_info: its dict's `score` is the reward,
+    its other keys are logged."""
+    from datasets import Dataset
+
+    Dataset.from_list(verl_rows(48)).to_parquet(tmp_path / "train.parquet")
+    _, rows = run_ppo(["--sft-model-path", str(chat["sft"]), "--dataset-name", str(tmp_path / "train.parquet"),
+                       "--reward-fn", "tests/rewards.py:compute_score", *TINY, "--eval-every", "1"], tmp_path / "run")
+    for sample in lines(tmp_path / "run" / "samples.jsonl"):
+        assert sample["score"] == float("w7" in sample["model response"]) and sample["source"] == "openai/gsm8k"
+        assert isinstance(sample["words"], int) and sample["split"] == "train"
+    assert all("objective/reward_fn/words" in r for r in rows)
+    trained = lines(tmp_path / "run" / "training_samples.jsonl")
+    assert trained and all("words" in row for row in trained)  # log_extra of the training batches
+
+
+def test_verls_own_gsm8k_scorer_is_called_as_verl_calls_it():
+    """tests/verl_945104d/gsm8k.py (verl's, unchanged): compute_score(solution_str, ground_truth) per row."""
+    fn = load_reward_fn("tests/verl_945104d/gsm8k.py:compute_score")
+    assert isinstance(fn, VerlComputeScore)
+    completions = ["so #### 72", [{"role": "assistant", "content": "#### 1,000"}], "72"]
+    kwargs = dict(completions=completions, prompts=["a", "b", "c"], reward_model=[{"ground_truth": "72"},
+                  {"ground_truth": "1000"}, {"ground_truth": "72"}], data_source=["openai/gsm8k"] * 3,
+                  **RewardLogs(3).keywords())
+    assert call_reward_fn(fn, kwargs, "cpu", "gsm8k").tolist() == [1.0, 1.0, 0.0]  # strict: "####" required
+
+
+class Counter(BaseHTTPRequestHandler):
+    """A served reward (this script's keywords) that records each row it is sent, and scores it 0."""
+    seen = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Counter.seen.append((body["trainer_state"]["global_step"], body["row_id"]))
+        data = json.dumps({"rewards": [0.0] * len(body["row_id"])}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_two_processes_send_a_judge_each_row_once_and_no_fake_row(assets, tmp_path):
+    """Training rows and held-out rows, on 2 processes: the served judge gets each once per scoring (none at
+    start-up), and log_metric's held-out value is the mean over the processes (0 and 1: 0.5)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**json.loads(line), "row_id": i}) + "\n"
+                            for i, line in enumerate(assets["prompts"].read_text().splitlines())))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Counter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(data), "--reward-fn",
+                f"http://127.0.0.1:{server.server_address[1]}/score", "tests/rewards.py:process_index", *TINY,
+                "--eval-samples", "5", "--eval-every", "1", "--per-device-train-batch-size", "2"]
+        _, rows = launch(args, tmp_path / "run")
+    finally:
+        server.shutdown()
+    held_out = set(range(59, 64))
+    evaluations = [[i for step, ids in Counter.seen if step == s for i in ids if i in held_out] for s in (0, 1, 2)]
+    assert [sorted(e) for e in evaluations] == [sorted(held_out)] * 3  # each held-out row once per evaluation
+    training = [[i for step, ids in Counter.seen if step == s for i in ids if i not in held_out] for s in (0, 1)]
+    assert [len(t) for t in training] == [16, 16] and all(len(set(t)) == 16 for t in training)
+    assert all(r["eval/reward_fn/process"] == r["objective/reward_fn/process"] == 0.5 for r in rows)
+    assert lines(tmp_path / "run" / "metrics.jsonl")[0]["eval/reward_fn/process"] == 0.5
