@@ -41,11 +41,10 @@ INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy bo
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
 TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample.py and SFD (N+ detail 30)
-# flags a resume may change: how the run is logged, saved, evaluated or run, not what it trains
-RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir",
-                     "eval_every", "save_every", "save_total_limit", "resume", "overwrite",
-                     "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation",
-                     "eval_samples"}
+RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
+    "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
+    "save_at_end", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
+    "trust_remote_code", "ds3_gather_for_generation", "eval_samples"}
 
 
 @dataclass
@@ -147,6 +146,8 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     # checkpoints
     save_every: Annotated[int, "[0, inf)"] = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
+    save_at_end: bool = True
+    """save the models and a checkpoint after the last update (off: only the logs: a benchmark)"""
     save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
     resume: str | None = None
@@ -514,7 +515,7 @@ def main(args: Args) -> None:
         # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail 30)
         with torch.no_grad():
             metrics = {"eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       **gathered_metrics(accelerator, rollout, step_stats)}
+                       **gathered_metrics(accelerator, args, rollout, step_stats)}
         metrics.update({
             "policy/optimizer_steps": optimizer_steps,
             "time/generation": time_generation,  # seconds on rank 0: sampling
@@ -523,18 +524,19 @@ def main(args: Args) -> None:
             "lr": lr, "episode": episode,
         })
         # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
+        # (on held-out eval/* metrics: after the `evaluate` line below, where they exist)
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run_log))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
 
-        # 8. Checkpoint every --save-every updates, after the last (the models first: a full disk keeps them), and
-        # when SIGTERM or SIGINT asked the run to stop (preemption: `Preemption`)
+        # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
         stopping = preemption.requested(accelerator)
-        if last:
+        at_end = last and args.save_at_end  # --no-save-at-end: a benchmark writes only its logs
+        if at_end:
             save_models(accelerator, model, args, args.sft_model_path, folder.path, console)
-        if last or stopping or (args.save_every > 0 and update % args.save_every == 0):
+        if at_end or stopping or (args.save_every > 0 and update % args.save_every == 0):
             save_checkpoint(accelerator, folder, dict(  # ALGO LOGIC: state kept across updates here
                 update=update, episode=episode, finished=last, lr=lr, **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
@@ -569,7 +571,8 @@ class Rollout(NamedTuple):
     contain_eos_token: torch.Tensor
 
 
-def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict]) -> dict:
+def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
+                     step_stats: list[dict]) -> dict:
     """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
     real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
@@ -581,7 +584,7 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         # responses ending in eos, over all processes: the mean of n x each process's count
         "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
-        # ALGO LOGIC: a metric is one line here, from the rollout `r`; the PPO epochs' means of phase 6's `stats`:
+        # ALGO LOGIC: a metric is one line here, from `r` or `args`; the PPO epochs' means of `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
@@ -931,7 +934,7 @@ def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=
                                                      stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        if step == args.response_length - 1 or done:
+        if step == args.response_length - 1 or stop_token_id is not None and bool(done):
             break
         new_column = attention_mask.new_ones(attention_mask.size(0), 1)
         attention_mask = torch.cat([attention_mask, new_column], dim=1)
@@ -943,17 +946,18 @@ def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=
 
 def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
     """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: another sampling rule (top-p...) goes here, its flag in `args`; the speed layer samples here too
+    # ALGO LOGIC: top-p, top-k... here, a flag in `args` (the speed layer's samplers draw here too);
+    # the log-prob stays the scaled logits' (as training computes them), or the rollout is off-policy
     logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
     if stop_token_id is not None:
         finished = finished | (token.squeeze(-1) == stop_token_id)
-    done = finished.all()
+    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
     if synced:
         done = done.float()
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, bool(done)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,

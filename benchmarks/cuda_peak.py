@@ -2,6 +2,7 @@
 # argv[1] as JSON when it exits: `python benchmarks/cuda_peak.py peak.json ppo.py --flags...`.
 import atexit
 import json
+import os
 import runpy
 import sys
 
@@ -11,4 +12,5 @@ out, script = sys.argv[1], sys.argv[2]
 atexit.register(lambda: open(out, "w").write(json.dumps(
     {"peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0})))
 sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` would: ppo.py finds ppo_harness/
 runpy.run_path(script, run_name="__main__")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+from transformers import StaticCache
 
 from ppo_harness.models import policy_for_generation, transformer_blocks, unpeft
 
@@ -71,10 +72,15 @@ class SpeedLayer:
                 else "dynamic"
             if mode != "dynamic" and self.zero3:
                 self.static_note = f"dynamic KV cache ({mode} refused under ZeRO-3: weights gathered per rollout)"
-            elif mode != "dynamic":
-                static = StaticSampler(args.local_rollout_forward_batch_size, compile=mode == "compiled")
-                accepted, self.static_note = static.probe(self.script, policy, queries, pad_token_id, args,
-                                                          setup.stop_token_id, shared_prefix)
+            elif mode != "dynamic":  # one cache width for the run: its widest prompt's (one compilation)
+                chunk = args.local_rollout_forward_batch_size
+                widest = max(len(ids) for rows in (setup.train_dataset, setup.eval_rows) if len(rows)
+                             for ids in rows["input_ids"])
+                static = StaticSampler(chunk, compile=mode == "compiled", width=widest)
+                every_process = lambda ok: bool(accelerator.gather(  # noqa: E731 (all sample alike, or none)
+                    torch.tensor([float(ok)], device=accelerator.device)).min() > 0)
+                accepted, self.static_note = static.probe(self.script, policy, queries[:chunk], pad_token_id, args,
+                                                          setup.stop_token_id, shared_prefix, every_process)
                 self.static = static if accepted else None
             else:
                 self.static_note = "dynamic KV cache" + (" (--sampler auto off CUDA)" if args.sampler == "auto" else "")
@@ -561,31 +567,72 @@ def fast_generate(script, policy, queries, pad_token_id, args, stop_token_id=Non
                   feed_last=False, share_prefix=False, static=None):
     """`generate`, with `prefill`'s shared prefix, `feed_last`: the last tokens go through the model too, so that
     every position's states pass `kept_while_sampling`'s hooks, and `static`: a `StaticSampler` steps instead of the
-    model with its dynamic KV cache."""
+    model with its dynamic KV cache. The same tokens and log-probs as `generate`, from the same random numbers."""
     out, attention_mask, position_ids = prefill(script, policy, queries, pad_token_id, share_prefix)
     step_model = static.start(policy, out.past_key_values, attention_mask, position_ids, args.response_length) if (
         static) else None
     tokens, logprobs, logits = [], [], out.logits[:, -1]
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    check = stop_token_id is not None  # else no row ends early: never wait on the GPU to ask
+    flag = HostFlag(queries.device)
     for step in range(args.response_length):
         token, logprob, finished, done = script.sample_next(logits, args, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
+                                                            stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        last = step == args.response_length - 1 or done
-        if last and not feed_last:
+        final = step == args.response_length - 1
+        if final and not feed_last:
             break
-        if step_model is not None:
+        if step_model is not None:  # the next forward is queued before `done` is read: no bubble between CUDA graphs
+            if check:
+                flag.send(done)
             logits = step_model(token)
-        else:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-            position_ids = position_ids + 1
-            out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=out.past_key_values, use_cache=True)
-            logits = out.logits[:, -1]
-        if last:
+            if final or check and flag.read():
+                break
+            continue
+        if check and bool(done) and not feed_last:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        position_ids = position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+        logits = out.logits[:, -1]
+        if final or check and bool(done):
             break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+class HostFlag:
+    """A 0-d GPU tensor copied to the host without waiting for the work queued after it: `send` queues the copy into
+    pinned memory and marks it with an event, `read` waits for that event alone. On the CPU, the tensor itself."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.value = torch.zeros((), dtype=torch.float32, pin_memory=True) if self.cuda else None
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def send(self, flag: torch.Tensor) -> None:
+        if self.cuda:
+            self.value.copy_(flag.to(self.value.dtype), non_blocking=True)
+            self.event.record()
+        else:
+            self.value = flag
+
+    def read(self) -> bool:
+        if self.cuda:
+            self.event.synchronize()
+        return bool(self.value)
+
+
+def stored_as_allocated(layer) -> None:
+    """A static cache layer that casts what it stores to its own dtypes. Under autocast RoPE leaves the keys in float32
+    while a step's values come out of their projection in bf16, and the layer allocated both as the prefill's keys:
+    storing bf16 in float32 is exact, and attention's autocast casts both back as it does the dynamic cache's."""
+    update = layer.update
+
+    def update_in_the_caches_dtype(key_states, value_states, *args, **kwargs):
+        return update(key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype), *args, **kwargs)
+    layer.update = update_in_the_caches_dtype
 
 
 def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -598,29 +645,29 @@ class StaticSampler:
     """Sampling's next-token forwards through transformers' `StaticCache`, compiled into CUDA graphs (torch.compile,
     mode "reduce-overhead"). With a dynamic cache a small model's loop is bound by kernel launches (about 36 ms a
     token at batch 64 for 135M parameters on an H100); a graph replays them all at once. Static shapes recompile, so
-    a chunk is padded to `rows` rows and its cache to the prefill's width rounded up to `bucket`, plus the response:
-    one compilation per (rows, width, dtype), each counted in `compilations` with its seconds."""
+    a chunk is padded to `rows` rows and its cache to `width` (the run's widest prompt) rounded up to `bucket`, plus
+    the response: one compilation per run and dtype, its seconds in `compilations`, and any later one reported."""
 
-    def __init__(self, rows: int, bucket: int = 64, compile: bool = True):
-        self.rows, self.bucket, self.compile = rows, bucket, compile
+    def __init__(self, rows: int, bucket: int = 64, compile: bool = True, width: int = 0):
+        self.rows, self.bucket, self.compile, self.width = rows, bucket, compile, width
         self.caches, self.forwards, self.compilations = {}, {}, []
+        self.graphs = graph_counts()
 
     def start(self, policy, prefilled, attention_mask, position_ids, response_length):
         """A step function for one chunk, token (n, 1) -> the next token's logits (n, vocab), after copying the
         prefill's dynamic cache `prefilled` into a static one."""
         n, width = attention_mask.shape
-        rows, length = max(self.rows, n), -(-width // self.bucket) * self.bucket + response_length
+        rows, length = max(self.rows, n), -(-max(width, self.width) // self.bucket) * self.bucket + response_length
         key = (rows, length, prefilled.layers[0].keys.dtype)
         new_shape = key not in self.caches
         if new_shape:
-            from transformers import StaticCache
-
             self.caches[key] = StaticCache(config=unpeft(policy).config, max_cache_len=length)
         cache = self.caches[key]
         for layer, source in zip(cache.layers, prefilled.layers):
             keys, values = pad_rows(source.keys, rows), pad_rows(source.values, rows)
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
+                stored_as_allocated(layer)
             layer.keys[:, :, :width].copy_(keys)
             layer.values[:, :, :width].copy_(values)
             layer.cumulative_length.fill_(width)  # the next token's slot; the stale ones after it are masked
@@ -645,27 +692,79 @@ class StaticSampler:
                 new_shape = False
                 if self.compile:  # benchmarks/gpu_bench.py reads this line
                     print(f"compiled the sampler for {rows} rows x {length} positions in "
-                          f"{self.compilations[-1][1]:.1f} s")
+                          f"{self.compilations[-1][1]:.1f} s ({self.counted()})")
+            elif self.compile and graph_counts() != self.graphs:  # a guard failed: dynamo compiled again
+                print(f"the sampler compiled again at {rows} rows x {length} positions ({self.counted()})")
             return logits
         return step
 
-    def probe(self, script, policy, queries, pad_token_id, args, stop_token_id, share_prefix: bool) -> tuple:
-        """(accepted, the banner's note): the probe's queries sampled through this sampler (compiling it) and through
-        the dynamic cache; accepted if its tokens' log-probs are within 1e-4 of a full forward's, or no further from
-        it than the dynamic cache's are (bf16 drifts in both)."""
-        errors = []
+    def counted(self) -> str:
+        """The graphs dynamo compiled and the CUDA graphs inductor skipped, so far (also another model's)."""
+        self.graphs = graph_counts()
+        return f"{self.graphs[0]} graphs compiled, {self.graphs[1]} CUDA graph skips"
+
+    def probe(self, script, policy, queries, pad_token_id, args, stop_token_id, share_prefix: bool,
+              agree=bool) -> tuple:
+        """(accepted, the banner's note). The probe's queries are sampled once (dynamic cache), then those tokens are
+        fed through this sampler (compiling it) and through the dynamic cache, and each path's log-probs compared
+        with a full forward's: accepted if this sampler's error is within 1e-4, twice the dynamic cache's, or the
+        compute dtype's rounding of the log-probs (bf16's). `agree` makes one verdict of every process's."""
+        if any(getattr(layer, "is_sliding", False) for layer in StaticCache(
+                config=unpeft(policy).config, max_cache_len=2).layers):
+            agree(False)
+            return False, "dynamic KV cache (static refused: a sliding-window layer would recompile at every step)"
+        errors, note = None, ""
         try:
-            for static in (self, None):
-                generator = torch.Generator(queries.device).manual_seed(0)
-                responses, logprobs = fast_generate(script, policy, queries, pad_token_id, args, stop_token_id,
-                                                    generator, share_prefix=share_prefix, static=static)
-                full = script.response_logprobs(policy, torch.cat((queries, responses), 1), pad_token_id,
-                                                queries.size(1), responses, args.temperature)[0]
-                errors.append((logprobs - full).abs().max().item())
+            generator = torch.Generator(queries.device).manual_seed(0)
+            responses = fast_generate(script, policy, queries, pad_token_id, args, stop_token_id, generator,
+                                      share_prefix=share_prefix)[0]
+            full = script.response_logprobs(policy, torch.cat((queries, responses), 1), pad_token_id,
+                                            queries.size(1), responses, args.temperature)[0]
+            errors = [(forced_logprobs(script, policy, queries, pad_token_id, responses, args, static, share_prefix)
+                       - full).abs().max().item() for static in (self, None)]
+            device = queries.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else full.dtype
+            tolerance = max(1e-4, 2 * errors[1], torch.finfo(dtype).eps * full.abs().max().item())
         except Exception as error:  # a model whose cache or forward does not compile: the dynamic cache samples
-            return False, f"dynamic KV cache (the static probe failed: {type(error).__name__}: {str(error)[:200]})"
-        kind = f"static KV cache compiled in {sum(s for _, s in self.compilations):.0f} s" if self.compile else \
-            "static KV cache, uncompiled"
-        accepted = errors[0] <= max(1e-4, errors[1] + 1e-4)
-        return accepted, (f"{kind if accepted else 'dynamic KV cache (refused: ' + kind + ')'}; probe: max |log-prob - "
-                          f"full forward's| {errors[0]:.1e}, the dynamic cache's {errors[1]:.1e}")
+            note = f"dynamic KV cache (the static probe failed: {type(error).__name__}: {str(error)[:200]})"
+        accepted = agree(errors is not None and errors[0] <= tolerance)
+        if errors is None:
+            return False, note
+        kind = f"static KV cache compiled in {sum(s for _, s in self.compilations):.0f} s, {self.counted()}" if \
+            self.compile else "static KV cache, uncompiled"
+        verdict = kind if accepted else f"dynamic KV cache (refused: {kind}" + (
+            ")" if errors[0] <= tolerance else f"; over {tolerance:.1e})")
+        return accepted, (f"{verdict}; probe: max |log-prob - full forward's| {errors[0]:.1e}, the dynamic "
+                          f"cache's {errors[1]:.1e}, on the same tokens")
+
+
+def graph_counts() -> tuple[int, int]:
+    """(graphs dynamo compiled, CUDA graphs inductor skipped) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+
+
+@torch.no_grad()
+def forced_logprobs(script, policy, queries, pad_token_id, responses, args, static=None, share_prefix=False):
+    """The log-probs of `responses` fed token by token through sampling's forwards, a `StaticSampler`'s or the dynamic
+    cache's, as sampling computes them: two ways of sampling judged on the same tokens."""
+    out, attention_mask, position_ids = prefill(script, policy, queries, pad_token_id, share_prefix)
+    step_model = static.start(policy, out.past_key_values, attention_mask, position_ids, args.response_length) if (
+        static) else None
+    logits, logprobs = out.logits[:, -1], []
+    for step in range(responses.size(1)):
+        token = responses[:, step:step + 1]
+        scaled = script.scale_logits(logits, args.temperature, pad_token_id)
+        logprobs.append(script.logprobs_from_logits(scaled, token.squeeze(-1)))
+        if step == responses.size(1) - 1:
+            break
+        if step_model is not None:
+            logits = step_model(token)
+            continue
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+        position_ids = position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+        logits = out.logits[:, -1]
+    return torch.stack(logprobs, dim=1)

@@ -813,13 +813,14 @@ def test_default_run_shortened(tmp_path):
             in " ".join(proc.stdout.split()))
 
 
-@pytest.mark.parametrize("share_prefix", [False, True])
+@pytest.mark.parametrize("share_prefix, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, arch, share_prefix):
+def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, arch, share_prefix, precision):
     """The GPU sampler's logic, uncompiled on the CPU: transformers' StaticCache filled from the prefill, a chunk padded
     to a fixed number of rows and its cache to a fixed width, gives the dynamic cache's tokens from the same generator
     and log-probs within 1e-5, over chunks of different widths and rows, one stopping early; a cache reused by a
-    later chunk of the same shape holds nothing of the earlier one."""
+    later chunk of the same shape holds nothing of the earlier one. Under bf16 autocast too (log-probs within 1e-2),
+    where RoPE leaves the keys in float32 and the values come in bf16 (the static cache stores both in its dtype)."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
     static = speed.StaticSampler(rows=4, bucket=8, compile=False)
     chunks = [([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], None),
@@ -827,15 +828,57 @@ def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, a
               ([[3, 4, 5, 6, 7], [3, 4, 11], [3, 4, 12, 14]], None)]
     for i, (rows, stop) in enumerate(chunks):
         queries = ppo.left_pad(rows, PAD)
-        sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(12, 0.7), stop, torch.Generator().manual_seed(i),
-                                     share_prefix=share_prefix, static=s) for s in (static, None)]
-        assert torch.equal(sampled[0][0], sampled[1][0])
-        torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(12, 0.7), stop,
+                                           torch.Generator().manual_seed(i), share_prefix=share_prefix, static=s)
+                       for s in (static, None)]
+        assert torch.equal(sampled[0][0], sampled[1][0])  # bf16: its rounding differs (the cache's width) within 1e-2
+        torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5 if precision == "fp32" else 1e-2)
         if stop is not None:  # stopped early, or ran out of length
             assert sampled[0][0].size(1) == 12 or (sampled[0][0] == stop).any(1).all()
     # the first and the third chunk share a shape (4 rows, a cache of 8 + 12): one cache, one "compilation"
     assert sorted(key[:2] for key, _ in static.compilations) == [(4, 20), (4, 28)]
     assert torch.equal(speed.pad_rows(torch.tensor([[1], [2]]), 4), torch.tensor([[1], [2], [1], [1]]))
+
+
+class ForgetfulSampler(speed.StaticSampler):
+    """A static sampler whose cache loses the prefill's values: a broken cache the probe must refuse."""
+
+    def start(self, *args, **kwargs):
+        step = super().start(*args, **kwargs)
+        for cache in self.caches.values():
+            for layer in cache.layers:
+                layer.values.zero_()
+        return step
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path, precision):
+    """The probe samples once, then feeds those tokens through the static sampler and the dynamic cache, each against
+    a full forward: accepted in float32 and under bf16 autocast (whose rounding sets the tolerance), refused for a
+    cache that lost the prefill, or when another process refused (`agree`); a sliding-window model is refused before
+    anything compiles. One cache width for chunks of every prompt width up to the run's widest."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch="llama")["sft"]).eval()
+    queries, args = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], PAD), sampling(8, 0.7)
+    probe = lambda sampler, **kw: sampler.probe(ppo, policy, queries, PAD, args, None, False, **kw)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        static = speed.StaticSampler(4, bucket=8, compile=False, width=12)
+        accepted, note = probe(static)
+        assert accepted and "on the same tokens" in note, note
+        verdicts = []
+        refused, note = probe(speed.StaticSampler(4, bucket=8, compile=False), agree=lambda ok: verdicts.append(ok))
+        assert not refused and verdicts == [True] and note.startswith("dynamic KV cache (refused")
+        assert not probe(ForgetfulSampler(4, bucket=8, compile=False))[0]
+        for rows in ([[3, 4]], [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]):  # 2 and 12 wide: the probe's cache
+            speed.fast_generate(ppo, policy, ppo.left_pad(rows, PAD), PAD, args, static=static)
+    assert [key[:2] for key, _ in static.compilations] == [(4, 16 + 8)]
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=41, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=64, use_sliding_window=True,
+                                           sliding_window=2, max_window_layers=1)).eval()
+    accepted, note = speed.StaticSampler(4, compile=False).probe(ppo, sliding, queries, PAD, args, None, False)
+    assert not accepted and "sliding-window" in note
 
 
 def test_no_fast_paths_runs_the_plain_forwards_within_the_probes_tolerance(assets, tmp_path):
@@ -853,12 +896,14 @@ def test_no_fast_paths_runs_the_plain_forwards_within_the_probes_tolerance(asset
 
 def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
     """One response of one token per update: its advantage cannot be whitened (one value), so it is centred to 0
-    instead of stopping the run in masked_var."""
+    instead of stopping the run in masked_var. (With --no-save-at-end, as a benchmark runs: only the logs written.)"""
     _, rows = run_ppo(tiny_args(assets, "--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "1",
                                 "--num-mini-batches", "1", "--total-episodes", "2", "--response-length", "1",
-                                "--local-rollout-forward-batch-size", "1", "--eval-samples", "0"), tmp_path / "run")
+                                "--local-rollout-forward-batch-size", "1", "--eval-samples", "0", "--no-save-at-end"),
+                      tmp_path / "run")
     assert [r["update"] for r in rows] == [1, 2]
     assert all(r["policy/clipfrac_avg"] == 0 for r in rows)
+    assert not (tmp_path / "run" / "model.safetensors").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_the_script_runs_without_the_speed_module(assets, tmp_path):

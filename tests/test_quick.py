@@ -1,7 +1,8 @@
-"""The quick check after an edit (about a minute and a half on 2 CPU cores): each script, or an edited copy of it,
-trains short runs on tiny models: one through the speed layer and one with --no-fast-paths agree update by update (a
-copier's edited forward switches the shortcuts off, so the two still agree), and a resume from the first update's
-checkpoint gives the second update again (what the loop keeps across updates is in the checkpoint).
+"""The quick check after an edit (under two minutes on 2 CPU cores): each script, or an edited copy of it, trains
+short runs on tiny models: one through the speed layer and one with --no-fast-paths agree update by update (a copier's
+edited forward switches the shortcuts off, so the two still agree); a resume from the second update's checkpoint gives
+the third update again (what the loop keeps across updates is in the checkpoint); and at learning rate 0 the policy
+is the reference, so the ratio is 1 and the KL 0 (sampling's log-probs are training's: the rollout is on-policy).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q -p no:cacheprovider
     PPO_SCRIPT=my_ppo.py PPO_ARGS="--my-flag 0.3" HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
@@ -21,13 +22,13 @@ SCRIPTS = {"ppo": os.environ.get("PPO_SCRIPT", "ppo.py"), "tldr": os.environ.get
 EXTRA = {"ppo": shlex.split(os.environ.get("PPO_ARGS", "")), "tldr": shlex.split(os.environ.get("PPO_TLDR_ARGS", ""))}
 
 
-def quick_args(request, assets, kind: str) -> list[str]:
-    """Two updates on the tiny models, with the copier's flags."""
+def quick_args(request, assets, kind: str, updates: int = 2) -> list[str]:
+    """`updates` updates of 16 responses on the tiny models, with the copier's flags."""
     if kind == "ppo":
         args = tiny_args(assets, "--eval-samples", "4", "--num-trainable-layers", "1", "--shared-value-head")
     else:
-        args = tldr_args(request.getfixturevalue("tldr"), "--total-episodes", "32")
-    return args + EXTRA[kind]
+        args = tldr_args(request.getfixturevalue("tldr"))
+    return [*args, "--total-episodes", str(16 * updates), *EXTRA[kind]]
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
@@ -42,12 +43,22 @@ def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forward
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
-def test_a_resume_from_the_first_updates_checkpoint_gives_the_second_update_again(request, assets, tmp_path, kind):
+def test_a_resume_from_the_second_updates_checkpoint_gives_the_third_update_again(request, assets, tmp_path, kind):
     """State the loop carries from one update to the next (its ALGO LOGIC marker at the checkpoint) must be saved:
-    the second update, resumed into a new folder, is the whole run's."""
-    args = [*quick_args(request, assets, kind), "--save-every", "1"]
+    the third update, resumed into a new folder, is the whole run's (state set at update 2 included)."""
+    args = [*quick_args(request, assets, kind, updates=3), "--save-every", "1"]
     _, whole = run_ppo(args, tmp_path / "whole", script=SCRIPTS[kind])
-    first = tmp_path / "whole" / "checkpoints" / "update-000001"
-    _, resumed = run_ppo([*args, "--resume", str(first)], tmp_path / "resumed", script=SCRIPTS[kind])
-    assert len(whole) == 2 and [r["update"] for r in resumed] == [2]
-    assert_same_run(resumed, whole[1:], rel=1e-6)
+    second = tmp_path / "whole" / "checkpoints" / "update-000002"
+    _, resumed = run_ppo([*args, "--resume", str(second)], tmp_path / "resumed", script=SCRIPTS[kind])
+    assert len(whole) == 3 and [r["update"] for r in resumed] == [3]
+    assert_same_run(resumed, whole[2:], rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+def test_at_learning_rate_0_the_rollout_is_on_policy(request, assets, tmp_path, kind):
+    """The policy is the reference and does not move: the ratio is 1 and the KL 0, unless sampling's log-probs are
+    not training's (a sampling rule whose log-probs differ from `scale_logits`': the rollout is off-policy)."""
+    _, rows = run_ppo([*quick_args(request, assets, kind, updates=1), "--learning-rate", "0"], tmp_path / "run",
+                      script=SCRIPTS[kind])
+    assert rows[0]["val/ratio"] == pytest.approx(1.0, abs=1e-4), "off-policy: sampling's log-probs are not training's"
+    assert abs(rows[0]["objective/kl"]) < 1e-3 and rows[0]["policy/clipfrac_avg"] == 0
