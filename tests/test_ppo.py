@@ -773,7 +773,7 @@ def test_pad_token_equal_to_eos_gets_a_distinct_pad(tmp_path, assets):
 def test_every_flag_is_exercised_by_a_test():
     sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("*.py"))
     missing = [f.name for f in dataclasses.fields(ppo.Args)
-               if not any(f in sources for f in (f"--{f.name.replace('_', '-')}", f"--no-{f.name.replace('_', '-')}",
+               if not any(form in sources for form in (f"--{f.name.replace('_', '-')}", f"--no-{f.name.replace('_', '-')}",
                                                   f"{f.name}="))]
     assert not missing, f"flags no test passes: {missing}"
 
