@@ -129,7 +129,8 @@ def assert_same_run(rows, reference, rel=1e-5):
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):
     """Run `python ppo.py ...` in a subprocess; return (completed process, the metrics rows of its updates: the
     held-out evaluation before training, row 0 of metrics.jsonl, is left out)."""
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    # one thread: faster for the tiny models, and a busy machine does not stall a run's thread pool
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / script), "--output-dir", str(output_dir), *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:

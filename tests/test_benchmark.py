@@ -90,7 +90,13 @@ def seeded_run(assets, tmp_path_factory):
     return run, updates
 
 
-def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, seeded_run, tmp_path):
+@pytest.fixture
+def one_thread(monkeypatch):
+    """rescore.py's ppo.py runs on one thread, as run_ppo's do (faster for the tiny models)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, seeded_run, tmp_path, one_thread):
     run, _ = seeded_run
     logged = plot_runs.load(run)[1]
     last = [r["score"] for r in logged if r["update"] == 2]
@@ -106,7 +112,8 @@ def test_rescoring_a_saved_policy_reproduces_its_runs_last_evaluation(assets, se
     assert scores2 == pytest.approx([(a + b) / 2 for a, b in zip(last, second)], abs=1e-6)
 
 
-def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_its_largest_kl(assets, seeded_run):
+def test_rescore_table_gives_the_initial_policy_no_gain_over_itself_and_a_run_its_largest_kl(assets, seeded_run,
+                                                                                            one_thread):
     sft, (run, updates) = str(assets["sft"]), seeded_run
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rescore.py"), sft, str(run), "--initial", sft,
                            "--", *rescore_extra(assets)], capture_output=True, text=True, cwd=ROOT, timeout=300,

@@ -99,7 +99,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(assets, tmp_pa
     out = tmp_path / "run"
     args = args_for(assets, "--total-episodes", "480", "--save-every", "1", "--save-total-limit", "2",
                     "--output-dir", str(out))
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}  # as run_ppo's runs
     proc = subprocess.Popen([sys.executable, str(ROOT / "ppo.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints, deadline = out / "checkpoints", time.time() + 240

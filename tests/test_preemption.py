@@ -39,7 +39,7 @@ def test_a_signal_checkpoints_the_update_in_progress_and_a_resume_finishes_as_un
     args, out = tiny_args(assets, *LONG, "--save-every", save_every), tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(ROOT / "ppo.py"), "--output-dir", str(out), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONHASHSEED": "0"})
+                            env={**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"})  # as run_ppo's
     stdout, stderr = signalled(proc, out, sig)
     stopped = update_rows(out / "metrics.jsonl")[-1]["update"]
     assert proc.returncode == 143, stderr[-3000:]

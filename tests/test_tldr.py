@@ -354,9 +354,7 @@ def tldr_run(tldr, tmp_path_factory):
 
 
 def run_tldr(args, output_dir):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # tiny models: one thread is faster, and unharmed by a busy machine
-        return run_ppo(args, output_dir, script="ppo_tldr.py")
+    return run_ppo(args, output_dir, script="ppo_tldr.py")
 
 
 def test_run_logs_every_trl_metric_and_the_validation_scores(tldr_run):
