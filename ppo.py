@@ -541,14 +541,12 @@ def main(args: Args) -> None:
             # 2. Scoring forwards: reference log-probs and values
             ref_logprobs, values, full_kl_per_token = forwards.score(models, query_responses, response_ids,
                                                                      context_length, args, pad_token_id)
-            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's subtractive form), score scaling
+            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form); a change to the score last
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
             contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
-            # PPO trains on trained_scores from here on: a change to `scores` below this line is only logged
-            trained_scores = scale_scores(scores, score_moments, args, accelerator)
 
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
@@ -558,6 +556,8 @@ def main(args: Args) -> None:
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
             kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
+            # scaled here (score scaling, --score-clip): a change to `scores` below this line is only logged
+            trained_scores = scale_scores(scores, score_moments, args, accelerator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward sums it)
 
@@ -676,7 +676,7 @@ def main(args: Args) -> None:
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
 class Rollout(NamedTuple):
     """One update's rollout on this process as phases 1-5 left it: what a metric can read (per response or token)."""
-    responses: torch.Tensor
+    responses: torch.Tensor  # as wide as the longest response here (sampling ends when all have): not response_length
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
     padding_mask: torch.Tensor  # True past the last real token
     padding_mask_p1: torch.Tensor  # True past the score's position (the values' and returns' mask)
@@ -709,12 +709,13 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                                    torch.zeros((), device=r.scores.device)),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
         "objective/unjudged_rows": n * r.score_components.unjudged.sum().float(),  # left out: no reward judged them
-        # ALGO LOGIC: a metric is one line here, from `r` or `args`; the PPO epochs' means of `stats`:
+        # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes; the means of `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
     if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
         local["objective/scaled_scores"] = r.trained_scores.mean()
+    local = {k: torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for k, v in local.items()}
     metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
     ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
     return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
@@ -900,9 +901,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
 
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    check_flags(args)  # each numeric flag within its interval (`Args`' annotations)
-    if args.kl_estimator not in ("k1", "k2", "k3", "abs", "full"):
-        raise ValueError(f"unknown --kl-estimator {args.kl_estimator!r}: choose k1, k2, k3, abs or full")
+    check_flags(args)  # numeric flags within their intervals, Literal ones among their choices (`Args`)
     names = reward_names(args.reward_model_path, list(args.reward_fn) or ([] if args.reward_model_path else ["vader"]))
     if args.reward_weights is not None and len(args.reward_weights) != len(names):
         raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
@@ -1364,8 +1363,7 @@ def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=
 
 def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
     """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here, a flag in `args` (the speed layer's samplers draw here too);
-    # the log-prob stays the scaled logits' (as training computes them), or the rollout is off-policy
+    # ALGO LOGIC: top-p, top-k... here (the speed layer draws here too); its log-prob must stay training's (on-policy)
     logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)

@@ -584,10 +584,11 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
         # responses ending in eos, over all processes: the mean of n x each process's count
         "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
-        # ALGO LOGIC: a metric is one line here, from `r` or `args`; the PPO epochs' means of `stats`:
+        # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes; the means of `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
            if k != "ratio"},
     }
+    local = {k: torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for k, v in local.items()}
     metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
     ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
     return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
@@ -671,12 +672,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
 
 def check_args(args: Args) -> None:
     """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    check_flags(args)  # each numeric flag within its interval (`Args`' annotations)
-    for flag, value, choices in (("--kl-estimator", args.kl_estimator, ("k1", "k3")),
-                                 ("--missing-eos-rule", args.missing_eos_rule, ("replace", "subtract", "none")),
-                                 ("--stop-token", args.stop_token, ("eos", None))):
-        if value not in choices:
-            raise ValueError(f"unknown {flag} {value!r}: choose one of {choices}")
+    check_flags(args)  # numeric flags within their intervals, Literal ones among their choices (`Args`)
     if args.eval_dataset_name is None and Path(args.dataset_name).is_file():
         raise ValueError(f"--dataset-name {args.dataset_name} is a single file, so it has no "
                          f"{args.dataset_eval_split!r} split: give the held-out posts with --eval-dataset-name")
@@ -946,8 +942,7 @@ def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=
 
 def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
     """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here, a flag in `args` (the speed layer's samplers draw here too);
-    # the log-prob stays the scaled logits' (as training computes them), or the rollout is off-policy
+    # ALGO LOGIC: top-p, top-k... here (the speed layer draws here too); its log-prob must stay training's (on-policy)
     logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)

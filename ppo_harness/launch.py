@@ -5,7 +5,8 @@ import math
 import os
 from dataclasses import asdict
 from datetime import timedelta
-from typing import get_type_hints
+import types
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 from accelerate import Accelerator
@@ -25,14 +26,29 @@ def flag_intervals(args_class) -> dict[str, str]:
             if hasattr(hint, "__metadata__")}
 
 
+def flag_choices(args_class) -> dict[str, tuple]:
+    """Each flag typed Literal[...] (or Literal[...] | None): its choices, from `Args` alone, so a new choice is added
+    in one place."""
+    choices = {}
+    for name, hint in get_type_hints(args_class).items():
+        parts = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+        literals = [c for part in parts if get_origin(part) is Literal for c in get_args(part)]
+        if literals:
+            choices[name] = (*literals, *((None,) if type(None) in parts else ()))
+    return choices
+
+
 def check_flags(args) -> None:
-    """Refuse a numeric flag outside its interval, a --resume-with-changes that names no flag, or --resume auto
-    without the folder to look in, by name."""
+    """Refuse a numeric flag outside its interval, a value no Literal flag offers, a --resume-with-changes that names
+    no flag, or --resume auto without the folder to look in, by name."""
     if args.resume == "auto" and not args.output_dir:
         raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
     unknown = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes} - set(asdict(args))
     if unknown:
         raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
+    for name, choices in flag_choices(type(args)).items():
+        if getattr(args, name) not in choices:
+            raise ValueError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}: choose one of {choices}")
     for name, interval in flag_intervals(type(args)).items():
         value = getattr(args, name)
         for v in value if isinstance(value, tuple) else (value,):

@@ -4,9 +4,10 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ class Flags:  # what the run folder reads of a script's Args
     save_every: Annotated[int, "[0, inf)"] = 0
     save_total_limit: int | None = None
     track: bool = False
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    stop_token: Literal["eos"] | None = "eos"
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +179,13 @@ def test_flags_out_of_their_interval_are_refused_by_name():
     with pytest.raises(ValueError, match="--resume-with-changes learning_ratee: no such flag"):
         launch.check_flags(Flags(resume_with_changes=("learning-ratee",)))
     assert launch.flag_intervals(Flags) == {"learning_rate": "[0, inf)", "save_every": "[0, inf)"}
+    # a Literal flag's choices come from its annotation alone (None where the flag may be None)
+    assert launch.flag_choices(Flags) == {"kl_estimator": ("k1", "k3"), "stop_token": ("eos", None)}
+    launch.check_flags(Flags(stop_token=None))
+    for bad, message in ((dict(kl_estimator="k2"), "unknown --kl-estimator 'k2': choose one of ('k1', 'k3')"),
+                         (dict(stop_token="."), "unknown --stop-token '.'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            launch.check_flags(Flags(**bad))
 
 
 def test_prompt_files_load_and_name_what_is_wrong(tmp_path):

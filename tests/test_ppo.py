@@ -917,19 +917,23 @@ def test_the_script_runs_without_the_speed_module(assets, tmp_path):
 def test_an_early_end_set_in_phase_7_scores_and_saves_as_the_last_update_does(assets, tmp_path):
     """The early end its ALGO LOGIC marker asks for, `last = last or <condition>` on the line after it, in a copy beside
     ppo.py: the run ends after that update with its held-out score, the models and a checkpoint, which a resume takes
-    as the run's end."""
+    as the run's end. The same copy logs a metric from `args` (a float) at the metric marker."""
     source = (ROOT / "ppo.py").read_text()
-    marker = "        # ALGO LOGIC: an early end: `last = last or <condition>` here"
-    assert source.count(marker) == 1
-    at = source.index("\n", source.index(marker)) + 1
+    for marker, line in (("        # ALGO LOGIC: an early end: `last = last or <condition>` here",
+                          "        last = last or update == 1\n"),
+                         ("        # ALGO LOGIC: a metric is one line here", '        "my/kl_coef": args.kl_coef,\n')):
+        assert source.count(marker) == 1
+        at = source.index("\n", source.index(marker)) + 1
+        source = source[:at] + line + source[at:]
     script = ROOT / f"ppo_early_{os.getpid()}.py"  # a copy beside ppo.py, as a copier makes one
-    script.write_text(source[:at] + "        last = last or update == 1\n" + source[at:])
+    script.write_text(source)
     try:
         _, rows = run_ppo(common(assets, "--reward-fn", REWARD_FN, "--total-episodes", "48"), tmp_path / "run",
                           script=script.name)  # 3 updates
     finally:
         script.unlink()
     assert [r["update"] for r in rows] == [1] and "eval/scores" in rows[0]
+    assert rows[0]["my/kl_coef"] == pytest.approx(0.05)  # TINY's --kl-coef (one process)
     assert (tmp_path / "run" / "model.safetensors").exists()
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("update-*")] == ["update-000001"]
     # its checkpoint says the run ended: a requeued job's --resume auto trains nothing more
