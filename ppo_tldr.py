@@ -1033,10 +1033,9 @@ def print_eval_table(console: Console, rows: list[dict], title: str,
     table = Table(title=title, show_lines=True)  # the first rows; eval/update-N.jsonl holds every row whole
     for column in rows[0]:
         table.add_column(column)
-    for row in rows:
-        query = row["query"]
-        query = query if len(query) <= query_chars else query[:query_chars] + " [...]"
-        table.add_row(query, row["reference"], row["response"], f"{row['score']:.4f}")
+    for row in rows:  # every key a column: a key added in `evaluate` is printed too
+        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
+        table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in {**row, "query": query}.values()))
     console.print(table)
 
 
