@@ -665,8 +665,7 @@ def main(args: Args) -> None:
         if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
             break
     run_log.close()
-    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # all leave together: one that exits while gloo/NCCL threads run can abort
     accelerator.end_training()
     if stopping and not last:
         preemption.exit(console, update, folder.checkpoints)
@@ -1430,7 +1429,6 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
     if rewards.stop_unjudged:
         check_every_row_judged(components, functions, prompts)
     unjudged = unjudged_rows(components, functions)  # every function's None (never with a reward model)
-    unjudged = torch.zeros(len(queries), dtype=torch.bool, device=queries.device) if unjudged is None else unjudged
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
                for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
 
@@ -1462,7 +1460,7 @@ def training_samples(setup: Setup, rows: dict, responses: torch.Tensor, scores: 
     """The rollout's first rows for training_samples.jsonl, with the functions' `log_extra` columns (TRL's table)."""
     tokenizer = setup.tokenizer
     texts = [tokenizer.decode(r[r != tokenizer.pad_token_id]) for r in responses[:count]]
-    return sample_rows(rows[setup.rewards.prompt_column][:count], texts, scores[:count], components)[:count]
+    return sample_rows(rows[setup.rewards.prompt_column][:count], texts, scores[:count], components)
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):

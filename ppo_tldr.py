@@ -16,19 +16,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from datasets import Dataset
 from rich.console import Console
-from rich.table import Table
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.launch import check_flags, start
+from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
                                 unpeft)
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models, write_atomic
-from ppo_harness.run_log import RunLog, print_banner
+from ppo_harness.run_log import RunLog, print_banner, print_rows
 
 try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
     from ppo_harness.speed import SpeedLayer
@@ -523,8 +521,7 @@ def main(args: Args) -> None:
             "time/training": time_training,  # PPO epochs
             "lr": lr, "episode": episode,
         })
-        # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
-        # (on held-out eval/* metrics: after the `evaluate` line below, where they exist)
+        # ALGO LOGIC: an early end: `last = last or <condition>` here (on eval/*: below `evaluate`); saved as the last
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run_log))
         if not all(math.isfinite(v) for v in metrics.values()):
@@ -545,8 +542,7 @@ def main(args: Args) -> None:
         if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
             break
     run_log.close()
-    # every process leaves together: one that exits while gloo/NCCL threads still run can abort
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # all leave together: one that exits while gloo/NCCL threads run can abort
     accelerator.end_training()
     if stopping and not last:
         preemption.exit(console, update, folder.checkpoints)
@@ -581,8 +577,7 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
         "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
         "objective/rlhf_reward": r.rewards.sum(1).mean(),  # what PPO maximised: every reward term, before whitening
         "objective/scores": r.scores.mean(),
-        # responses ending in eos, over all processes: the mean of n x each process's count
-        "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),
+        "val/num_eos_tokens": n * r.contain_eos_token.sum().float(),  # over all processes: the mean of n x each's
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
         # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes; the means of `stats`:
         **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
@@ -654,9 +649,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError(f"--max-query-length {args.max_query_length} plus the longest response or reference "
                          f"({longest} tokens) exceeds the models' {max_positions} positions: lower "
                          "--max-query-length or --response-length")
-    n, world = len(eval_dataset), accelerator.num_processes  # each process every world-th post, wrapping (ZeRO-3)
-    eval_rows = eval_dataset.add_column("index", list(range(n))).select(
-        [i % n for i in range(accelerator.process_index, math.ceil(n / world) * world, world)])
+    n = len(eval_dataset)  # each process every world-th post, wrapping round so all have as many (ZeRO-3)
+    eval_rows = eval_dataset.add_column("index", list(range(n))).select(process_share(n, accelerator, in_step=True))
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else None
 
     # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
@@ -999,17 +993,16 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         responses, _ = models.forwards.sample(accelerator, models.model, eval_queries, eval_args, setup.zero3,
                                               pad_token_id, setup.stop_token_id, generator)
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
-    columns = zip(held_out["index"], held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]],
-                  responses, scores.tolist())
-    rows = gather_object([(index, {"query": query, "reference": reference,
-                                   "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
-                                   "score": score}) for index, query, reference, r, score in columns])
-    rows = [row for _, row in sorted(dict(reversed(rows)).items())]  # one per post: the first process's where wrapped
+    columns = zip(held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]], responses,
+                  scores.tolist())
+    rows = gather_once(held_out["index"], [{"query": query, "reference": reference,  # one per post
+                                            "response": tokenizer.decode(r[r != pad_token_id]),  # eos stays visible
+                                            "score": score} for query, reference, r, score in columns])
     if accelerator.is_main_process:
         (setup.folder.path / "eval").mkdir(exist_ok=True)
         write_atomic(setup.folder.path / "eval" / f"update-{update:06d}.jsonl",
                      "".join(json.dumps(row) + "\n" for row in rows))
-        print_eval_table(run_log.console, rows[:3], f"validation after update {update}")
+        print_rows(run_log.console, rows[:3], f"validation after update {update}", cut={"query": 300})
         run_log.table("validation", rows)  # to wandb with --track
     return {"objective/validation_score": sum(row["score"] for row in rows) / len(rows),
             "objective/reference_score": models.reference_score}
@@ -1024,19 +1017,8 @@ def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Se
         accelerator.device)
     with torch.no_grad(), accelerator.autocast():
         scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
-    scores = dict(gather_object(list(zip(setup.eval_rows["index"], scores.tolist()))))
-    return sum(scores.values()) / len(scores)
-
-
-def print_eval_table(console: Console, rows: list[dict], title: str,
-                     query_chars: int = 300) -> None:
-    table = Table(title=title, show_lines=True)  # the first rows; eval/update-N.jsonl holds every row whole
-    for column in rows[0]:
-        table.add_column(column)
-    for row in rows:  # every key a column: a key added in `evaluate` is printed too
-        query = row["query"] if len(row["query"]) <= query_chars else row["query"][:query_chars] + " [...]"
-        table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in {**row, "query": query}.values()))
-    console.print(table)
+    scores = gather_once(setup.eval_rows["index"], scores.tolist())
+    return sum(scores) / len(scores)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@ accelerate's processes (DeepSpeed's settings made the flags'), and every machine
 import hashlib
 import math
 import os
+import types
 from dataclasses import asdict
 from datetime import timedelta
-import types
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 
 def in_interval(value: float, interval: str) -> bool:
@@ -110,7 +110,5 @@ def process_share(n: int, accelerator, in_step: bool = False) -> list[int]:
 def gather_once(index: list[int], rows: list) -> list:
     """Every process's rows, each once in `index` order: where a process's share wrapped round to rows another holds,
     the first process's is kept. Every process gets the same list."""
-    from accelerate.utils import gather_object
-
     held = gather_object(list(zip(index, rows)))
     return [row for _, row in sorted(dict(reversed(held)).items())]

@@ -371,18 +371,18 @@ def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
     return scores
 
 
-def unjudged_rows(components: dict, functions: list[str]) -> torch.Tensor | None:
-    """The rows no reward judged (every reward a function, and each returned None), or None if a reward model judges
-    every row."""
-    if not functions or len(functions) != len(components):  # a reward model's NaN is no None
-        return None
-    return torch.stack([components[n].isnan() for n in functions]).all(0)
+def unjudged_rows(components: dict, functions: list[str]) -> torch.Tensor:
+    """The rows no reward judged: every reward is a function, and each returned None (a reward model judges every row:
+    its NaN is no None)."""
+    if functions and len(functions) == len(components):
+        return torch.stack([components[n].isnan() for n in functions]).all(0)
+    return torch.zeros_like(next(iter(components.values())), dtype=torch.bool)
 
 
 def check_every_row_judged(components: dict, functions: list[str], prompts: list, when: str = "") -> None:
     """Refuse a batch with a row that no reward judged (--unjudged-rows stop)."""
     unjudged = unjudged_rows(components, functions)
-    if unjudged is not None and unjudged.any():
+    if unjudged.any():
         prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
         raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each row needs a reward "
                          "that judges it (--unjudged-rows stop)")
@@ -457,7 +457,8 @@ def held_out_metrics(rows: list[dict], names: list[str], logged: list[dict]) -> 
                      for name in sorted(set().union(*logged))}
     n = judged.numel()
     return {"eval/scores": judged.mean().item() if n else 0.0,
-            "eval/scores_se": (judged.std() / n**0.5).item() if n > 1 else 0.0, **reward_means(every, "eval", lambda t: t)}
+            "eval/scores_se": (judged.std() / n**0.5).item() if n > 1 else 0.0,
+            **reward_means(every, "eval", lambda t: t)}
 
 
 def assistant_prefix(prompt) -> str:

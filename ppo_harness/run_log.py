@@ -14,6 +14,17 @@ CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", 
                    "eval/scores", "eval/kl", "objective/validation_score")  # those a run logs, on its console line
 
 
+def print_rows(console, rows: list[dict], title: str, omit: tuple = (), cut: dict[str, int] | None = None) -> None:
+    """Rows as a console table, a column for every key but `omit`'s (one a script adds is shown too): a float to 4
+    decimals, a text longer than `cut[column]` characters cut short."""
+    columns, cut = [k for k in rows[0] if k not in omit], cut or {}
+    table = Table(*columns, title=title, show_lines=True)
+    for row in rows:
+        cells = {k: f"{row[k]:.4f}" if isinstance(row[k], float) else str(row[k]) for k in columns}
+        table.add_row(*(c if len(c) <= cut.get(k, len(c)) else c[:cut[k]] + " [...]" for k, c in cells.items()))
+    console.print(table)
+
+
 class RunLog:
     """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process).
     Opening it writes args.json and drops the logs' rows of the updates a resumed run redoes."""
@@ -61,10 +72,7 @@ class RunLog:
         without their rendered "query" (their "prompt" is the dataset's)."""
         if not self.main_process or not rows:
             return
-        table = Table(*(k for k in rows[0] if k != "query"), title=title, show_lines=True)
-        for row in rows[:shown]:
-            table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in row.items() if k != "query"))
-        self.console.print(table)
+        print_rows(self.console, rows[:shown], title, omit=("query",))
         with open(self.folder / "samples.jsonl", "a") as f:
             f.writelines(json.dumps({"update": update, **row}, default=str) + "\n" for row in rows)
         self.table("samples", rows)

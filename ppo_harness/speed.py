@@ -592,14 +592,20 @@ def fast_generate(script, policy, queries, pad_token_id, args, stop_token_id=Non
             continue
         if check and bool(done) and not feed_last:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-        position_ids = position_ids + 1
-        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=out.past_key_values, use_cache=True)
+        out, attention_mask, position_ids = dynamic_step(policy, token, out, attention_mask, position_ids)
         logits = out.logits[:, -1]
         if final or check and bool(done):
             break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def dynamic_step(policy, token, out, attention_mask, position_ids):
+    """One token through the dynamic KV cache of `out`: (the output, the attention mask and position ids grown)."""
+    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+    position_ids = position_ids + 1
+    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=out.past_key_values, use_cache=True)
+    return out, attention_mask, position_ids
 
 
 class HostFlag:
@@ -762,9 +768,6 @@ def forced_logprobs(script, policy, queries, pad_token_id, responses, args, stat
         if step_model is not None:
             logits = step_model(token)
             continue
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-        position_ids = position_ids + 1
-        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=out.past_key_values, use_cache=True)
+        out, attention_mask, position_ids = dynamic_step(policy, token, out, attention_mask, position_ids)
         logits = out.logits[:, -1]
     return torch.stack(logprobs, dim=1)

@@ -188,6 +188,38 @@ def test_flags_out_of_their_interval_are_refused_by_name():
             launch.check_flags(Flags(**bad))
 
 
+def test_a_table_prints_every_key_of_a_row():
+    """A key a script adds to its rows (a copier's new column) is printed too, and a long text is cut."""
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    rows = [{"query": "q" * 8, "reference": "r", "response": "s", "score": 0.5, "length": 7}]
+    run_log.print_rows(console, rows, "validation", cut={"query": 5})
+    text = console.export_text()
+    assert all(word in text for word in ("length", "qqqqq [...]", "0.5000", " 7 ")) and "q" * 6 not in text
+
+
+@pytest.mark.parametrize("n, world, in_step", [(5, 2, False), (5, 2, True), (1, 3, False), (0, 2, True), (7, 3, True)])
+def test_each_held_out_item_is_handled_once(n, world, in_step):
+    """process_share gives every item to one process (ZeRO-3's stepping together, or fewer items than processes:
+    every process as many, the extra ones wrapped round), and gather_once keeps each once, in order."""
+    from types import SimpleNamespace
+
+    shares = [launch.process_share(n, SimpleNamespace(process_index=rank, num_processes=world), in_step)
+              for rank in range(world)]
+    assert sorted(set(i for share in shares for i in share)) == list(range(n))
+    if in_step or n < world:
+        assert len({len(share) for share in shares}) == 1
+    else:
+        assert sum(len(share) for share in shares) == n
+    held = [(i, f"row {i} from {rank}") for rank, share in enumerate(shares) for i in share]
+    first = {}
+    for i, row in held:
+        first.setdefault(i, row)
+    index, rows = [i for i, _ in held], [row for _, row in held]
+    assert launch.gather_once(index, rows) == [first[i] for i in range(n)]  # one process: its gather is the list
+
+
 def test_prompt_files_load_and_name_what_is_wrong(tmp_path):
     path = tmp_path / "posts.jsonl"
     path.write_text("".join(json.dumps({"title": "t", "post": p}) + "\n" for p in ("a", None, "c")))

@@ -380,17 +380,6 @@ def test_run_logs_every_metric_to_tensorboard(tldr_run):
         [r["objective/validation_score"] for r in rows if "objective/validation_score" in r])
 
 
-def test_the_validation_table_prints_every_key_of_a_row():
-    """A key `evaluate` adds to the rows (a copier's new column) is printed too, and a long post is cut."""
-    from rich.console import Console
-
-    console = Console(record=True, width=200)
-    rows = [{"query": "q" * 8, "reference": "r", "response": "s", "score": 0.5, "length": 7}]
-    ppo_tldr.print_eval_table(console, rows, "validation", query_chars=5)
-    text = console.export_text()
-    assert all(word in text for word in ("length", "qqqqq [...]", "0.5000", " 7 ")) and "q" * 6 not in text
-
-
 def test_run_saves_eval_tables_that_match_the_logged_scores(tldr_run, tldr):
     out, proc, rows, _ = tldr_run
     first_five = tldr["valid_rows"][:5]  # --eval-samples 5: the validation file's first 5 posts
