@@ -35,20 +35,16 @@ from ppo_harness.rewards import (RewardComponents, RewardLogs, check_every_row_j
                                  function_scores, held_out_metrics, load_reward_fn, reward_means, reward_names,
                                  sample_rows, unjudged_rows)
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
-from ppo_harness.run_log import RunLog, print_banner
-
-try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
-    from ppo_harness.speed import SpeedLayer
-except ModuleNotFoundError as missing:
-    if missing.name != "ppo_harness.speed":
-        raise
-    SpeedLayer = None
+from ppo_harness.run_log import FiniteLosses, RunLog, print_banner
+from ppo_harness.speed import (CompileWatch, HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
+                               frozen_trunk, head_logprobs, keep_states, kept_states, on_device,
+                               prefill_shared_prefix, ready_to_compile, should_compile)
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
     "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
     "save_at_end", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
-    "trust_remote_code", "ds3_gather_for_generation", "gradient_checkpointing", "merge_adapter"}
+    "trust_remote_code", "ds3_gather_for_generation", "gradient_checkpointing", "merge_adapter", "compile"}
 
 
 @dataclass
@@ -218,9 +214,16 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the shards, slowly)"""
     fast_paths: bool = True
-    """ppo_harness/speed.py's exact shortcuts, each where its start-up probe passes (off: the plain forwards alone)"""
+    """the frozen trunk run once and ppo_harness/speed.py's shortcuts, each where its start-up check passes (off:
+    the plain forwards alone)"""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long enough to pay the
+    compile time back (README "Speed"), off on the CPU (slower there than the speed layer)"""
+    tf32: bool = False
+    """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later, values change"""
     sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
-    """auto: a static KV cache in CUDA graphs on CUDA where probed exact, else dynamic; static: uncompiled"""
+    """auto: a static KV cache in CUDA graphs where --compile is on and its check passes, else dynamic; static:
+    uncompiled"""
 
     def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
         for name in ("reward_model_path", "reward_fn"):
@@ -283,9 +286,9 @@ def truncate_response(stop_token_id: int, pad_token_id: int,
     return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
 
 
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
-    width = max(len(s) for s in sequences)
+def left_pad(sequences: list[list[int]], pad_token_id: int, width: int | None = None) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest or `width`) tensor: generation continues from the right edge."""
+    width = max([len(s) for s in sequences] + [width or 0])
     rows = [[pad_token_id] * (width - len(s)) + list(s) for s in sequences]
     return torch.tensor(rows, dtype=torch.long)
 
@@ -480,10 +483,12 @@ def main(args: Args) -> None:
     # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, forwards = models.model, models.optimizer, models.forwards
+    model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
     sizes, folder = setup.sizes, setup.folder
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
+    # the training step: the page's own `ppo_loss`, compiled whole (forward, losses, and so their backward) by --compile
+    training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False) if setup.compiled else ppo_loss
     console = Console()
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
@@ -503,13 +508,14 @@ def main(args: Args) -> None:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
     preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
+    compile_watch = CompileWatch()
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
             "value head": models.value_head,
             **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
-            banner_notes(setup) + [forwards.describe()])
+            banner_notes(setup) + list(shortcuts.notes))
     start_time, stopping = time.time(), False
     run_log.progress.start()
     if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
@@ -524,23 +530,31 @@ def main(args: Args) -> None:
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
                                   args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
-        queries = left_pad(batch_rows["input_ids"], pad_token_id).to(device)
+        # compiled, every update has the run's widest shapes: one compilation (`Setup.query_width`)
+        queries = left_pad(batch_rows["input_ids"], pad_token_id, setup.query_width).to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
-            responses, logprobs = forwards.sample(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                  stop_token_id)
+            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                         stop_token_id, shortcuts)
+            if setup.compiled:  # every update at the run's widest shapes: the training step compiles once
+                width = args.response_length - responses.size(1)
+                responses = F.pad(responses, (0, width), value=pad_token_id)
+                logprobs = F.pad(logprobs, (0, width), value=INVALID_LOGPROB)
+                kept = {name: F.pad(states, (0, 0, 0, width)) for name, states in kept.items()}
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 2. Scoring forwards: reference log-probs and values
-            ref_logprobs, values, full_kl_per_token = forwards.score(models, query_responses, response_ids,
-                                                                     context_length, args, pad_token_id)
+            # 2. Scoring forwards: reference log-probs and values. The frozen bottom blocks (--num-trainable-layers) are
+            # the same in policy and reference: their output, kept from sampling or computed once, feeds every forward
+            trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
+            ref_logprobs, values, full_kl_per_token = reference_and_values(
+                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks, kept)
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form); a change to the score last
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
@@ -566,8 +580,9 @@ def main(args: Args) -> None:
                                               rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
-            # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
-            rollout = Rollout(responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+            # the rollout as phase 6 trains on it and phase 7's metrics read it: a name phase 6 reassigns leaves it
+            rollout = Rollout(query_responses=query_responses, response_ids=response_ids, trunks=trunks,
+                              responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
                               padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
                               values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
                               advantages=advantages, returns=returns, scores=scores, trained_scores=trained_scores,
@@ -577,38 +592,22 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         model.train()
         step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False  # stats: a dict per micro-batch
+        finite = FiniteLosses(device)  # each loss checked on the device, read once after the epochs (no wait per step)
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
-            b_inds = np.random.permutation(sizes.local_batch_size)
+            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)  # one copy, not one per step
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
-                if ratio_guard_skips(accelerator, models, args, micro_batches, query_responses, response_ids, logprobs,
-                                     padding_mask, pad_token_id):
+                if ratio_guard_skips(accelerator, models, args, micro_batches, rollout, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = forwards.train(model, mbi, query_responses, pad_token_id,
-                                                                      context_length, response_ids, args)
-                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
-                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
-                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
-                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
-                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
-                                                          args.cliprange_value)
-                        stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                                 "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-                                 "policy/entropy_avg": masked_mean(entropy, ~padding_mask[mbi]), "ratio": ratio_mean}
-                        loss = pg_loss + args.vf_coef * vf_loss  # no KL loss term: the KL is in the rewards (as TRL)
-                        # ALGO LOGIC: a loss term goes here, as this entropy bonus (OpenRLHF, verl; TRL had none)
-                        if args.ent_coef != 0:
-                            stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
-                            loss = loss - args.ent_coef * stats["loss/entropy_avg"]
-                        check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
-                                          f"minibatch {minibatch_idx + 1})", folder.checkpoints)
+                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id, shortcuts.fused_head)
+                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -617,13 +616,14 @@ def main(args: Args) -> None:
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
-                    del new_logprobs, entropy, vpred, loss, stats
+                    del loss, stats
                 # --target-kl: after every minibatch, on all processes together (classic TRL: once per epoch)
                 minibatch_kl = torch.stack([s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]]).mean()
                 stop_early = args.target_kl is not None and bool(accelerator.reduce(minibatch_kl, "mean") >
                                                                  args.target_kl)
                 if stop_early:
                     break
+        finite.check(accelerator, update, folder.checkpoints)
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
@@ -649,6 +649,7 @@ def main(args: Args) -> None:
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
                                        sizes.batch_size)
         run_log.log(update, metrics, training_samples(setup, batch_rows, responses, scores, score_components))
+        compile_watch.report(update, time_training, console if accelerator.is_main_process else None)
 
         # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
         stopping = preemption.requested(accelerator)
@@ -661,7 +662,7 @@ def main(args: Args) -> None:
                 score_moments=vars(score_moments), **setup.run_state))
         run_log.progress.update(run_log.task, advance=1)
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
-             rollout)
+             rollout, trunks, kept)
         if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
             break
     run_log.close()
@@ -671,10 +672,36 @@ def main(args: Args) -> None:
         preemption.exit(console, update, folder.checkpoints)
 
 
+def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False):
+    """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value losses, their sum
+    (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read a tensor on the host."""
+    trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}  # the frozen blocks' output
+    context_length = r.query_responses.size(1) - r.responses.size(1)
+    new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
+                                         r.response_ids[rows], args.temperature, trunks, fused_head)
+    padding_mask, padding_mask_p1 = r.padding_mask[rows], r.padding_mask_p1[rows]
+    new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+    vpred = vpred.masked_fill(padding_mask_p1, 0)
+    pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(new_logprobs, r.logprobs[rows], r.advantages[rows],
+                                                             padding_mask, args.cliprange)
+    vf_loss, vf_clipfrac = value_loss(vpred, r.values[rows], r.returns[rows], padding_mask_p1, args.cliprange_value)
+    stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac, "loss/policy_avg": pg_loss,
+             "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+             "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean}
+    loss = pg_loss + args.vf_coef * vf_loss  # no KL loss term: the KL is in the rewards (as TRL)
+    # ALGO LOGIC: a loss term goes here, as this entropy bonus (OpenRLHF, verl; TRL had none)
+    if args.ent_coef != 0:
+        stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
+        loss = loss - args.ent_coef * stats["loss/entropy_avg"]
+    return loss, stats
+
 
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
 class Rollout(NamedTuple):
-    """One update's rollout on this process as phases 1-5 left it: what a metric can read (per response or token)."""
+    """One update's rollout on this process as phases 1-5 left it: what phase 6 trains on, what a metric can read."""
+    query_responses: torch.Tensor
+    response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
+    trunks: dict  # "policy", "value": (the frozen blocks' output, their number), where there are frozen blocks
     responses: torch.Tensor  # as wide as the longest response here (sampling ends when all have): not response_length
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
     padding_mask: torch.Tensor  # True past the last real token
@@ -763,6 +790,8 @@ class Setup:
     eval_rows: Dataset | list  # this process's share of the held-out prompts
     eval_index: list[int]  # their places among all held-out prompts
     rewards: Rewards
+    compiled: bool = False  # --compile: the training step and the sampler through torch.compile
+    query_width: int | None = None  # compiled: every update's queries padded to the widest prompt (one compilation)
     notes: list[str] = field(default_factory=list)  # the banner's warnings
 
 
@@ -775,6 +804,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                         accelerator.num_processes, args.total_episodes)
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
+    compiled = should_compile(args, accelerator, sizes.num_updates)  # --compile auto: CUDA, and a run long enough
+    if args.tf32 and accelerator.device.type == "cuda":  # 10-bit mantissa matmuls: faster, values change
+        torch.backends.cuda.matmul.allow_tf32 = True
     remote = dict(trust_remote_code=args.trust_remote_code)
 
     # the models' files (a GGUF converted once into cache/, by the first process, then each machine's), checked
@@ -849,6 +881,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
+    query_width = max(len(ids) for ids in dataset["input_ids"]) if compiled else None
     n = args.eval_samples  # the last n prompts are held out; each process evaluates its share (a judge sees each once)
     eval_index = process_share(n, accelerator, in_step=zero3)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
@@ -893,7 +926,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
-        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, rewards=rewards, notes=[
+        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, rewards=rewards, compiled=compiled,
+        query_width=query_width, notes=[
             f"warning: {repeated} of the {n} held-out prompts also appear among the training prompts "
             f"(repeated rows in {args.dataset_name})"] * bool(repeated))
 
@@ -1084,11 +1118,11 @@ class Models:
     ref_policy: nn.Module | None  # None with --use-peft: the policy with its adapter off (`reference_adapter`)
     value_model: nn.Module | None  # None with --shared-value-head
     value_head: nn.Linear | None
-    forwards: "Forwards"  # what main's phases run: plain, or through the speed layer (ppo_harness/speed.py)
+    shortcuts: Shortcuts  # the frozen trunks and the speed layer's shortcuts its checks accepted (the banner says)
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, reference, value model or head, reward models, the forwards (`Forwards`), optimizer, accelerate."""
+    """Policy, reference, value model or head, reward models, optimizer, accelerate; the shortcuts checked."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path,
@@ -1119,12 +1153,13 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if args.gradient_checkpointing:
         for m in trained_models:  # the policy's transformers model, also inside its adapter's PeftModel
             enable_gradient_checkpointing(m)
-    forwards = Forwards()
-    if args.fast_paths and SpeedLayer is not None:  # ppo_harness/speed.py, probed against this script's forwards
-        # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
-        forwards = SpeedLayer(sys.modules[__name__], args, setup, policy, value_model, value_head,
-                              args.num_trainable_layers, setup.value_model_path == setup.sft_model_path)
+    # the frozen trunks and the fused head, checked against this page's forwards as they are (ppo_harness/speed.py);
+    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
+    shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, value_head, setup.compiled,
+                               setup.value_model_path == setup.sft_model_path)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
+    if setup.compiled:  # transformers installs its hidden-state hooks under a lock dynamo cannot trace
+        ready_to_compile(model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
     # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(args.vf_learning_rate, value=value)
     value = value_head if value_model is None else value_model
@@ -1138,8 +1173,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
-    forwards.probe_sampling(args, accelerator, setup, policy)  # on the prepared policy, in the run's precision
-    return Models(model, optimizer, policy, ref_policy, value_model, value_head, forwards)
+    # sampling's shortcuts and kept states, checked on the prepared policy, in the run's precision
+    shortcuts = check_sampling(sys.modules[__name__], args, accelerator, setup, policy, value_head, shortcuts)
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head, shortcuts)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
@@ -1221,7 +1257,146 @@ def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_ada
         policy.set_adapter(model_adapter_name)
 
 
-# ---- The forwards: the plain computation (ppo_harness/speed.py's shortcuts are probed against it) --------------------
+# ---- The forwards: sampling, then the scoring and training forwards, each from the frozen trunk where there is one -----
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
+    """(responses cut after the stop token, their log-probs, the states kept while sampling: `shortcuts.keep`),
+    sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    gather_weights = args.ds3_gather_for_generation
+    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
+            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
+                              shortcuts) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
+                       queries.size(1) + responses.size(1))
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs, kept
+
+
+@torch.no_grad()
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
+             shortcuts=Shortcuts()):
+    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed back through a KV cache
+    (`synced`: ZeRO-3's, every process steps alike). States kept for scoring need the last token fed too."""
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
+    if shortcuts.shared_prefix:  # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
+        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
+    else:
+        inputs = model_inputs(queries, pad_token_id)
+        out = policy(**inputs, use_cache=True, logits_to_keep=last)
+        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache (speed.py, checked)
+    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
+                                         args.response_length) if shortcuts.static is not None else None
+    logits, tokens, logprobs = out.logits[:, -1], [], []
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    done_flag = HostFlag(queries.device)  # read once the next forward is queued: the GPU never waits for the host
+    for step in range(args.response_length):
+        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
+        tokens.append(token)
+        logprobs.append(logprob)
+        final = step == args.response_length - 1
+        if final and not shortcuts.keep:
+            break
+        if stop_token_id is not None:
+            done_flag.send(done)
+        if static_step is not None:
+            logits = static_step(token)
+        else:
+            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
+            logits = out.logits[:, -1]
+        if final or stop_token_id is not None and done_flag.read():
+            break
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
+    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
+    # ALGO LOGIC: top-p, top-k... here; the token's log-prob must stay training's (`scale_logits`: on-policy)
+    logits = scale_logits(logits, args.temperature, pad_token_id)
+    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    if stop_token_id is not None:
+        finished = finished | (token.squeeze(-1) == stop_token_id)
+    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
+    if synced:
+        done = done.float()
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
+
+
+def next_token_forward(policy, token, out, attention_mask, position_ids):
+    """One token through the dynamic KV cache of `out`: (the output, the attention mask and position ids grown)."""
+    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+    position_ids = position_ids + 1
+    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=out.past_key_values, use_cache=True)
+    return out, attention_mask, position_ids
+
+
+def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, kept: dict,
+                  shortcuts: Shortcuts, args: Args, with_value: bool = True) -> dict:
+    """The frozen bottom blocks' output, "policy" (the reference's too: the same SFT weights, never trained) and
+    "value", as (hidden states, number of blocks): kept while sampling, else run once here, in chunks."""
+    trunks, chunk = {}, args.local_rollout_forward_batch_size
+    for name, m in (("policy", models.policy), ("value", models.value_model if with_value else None)):
+        n = shortcuts.num_frozen.get(name)
+        if m is None or n is None:
+            continue
+        if name == "value" and shortcuts.value_shares_trunk:  # the value model starts from the SFT policy too
+            trunks["value"] = trunks["policy"]
+        elif name == "policy" and "trunk" in kept:
+            trunks["policy"] = (kept["trunk"], n)
+        else:
+            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
+                                       for i in range(0, query_responses.size(0), chunk)]), n)
+    return trunks
+
+
+def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
+                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, trunks: dict,
+                         kept: dict, with_values=True):
+    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or None)."""
+    ref_logprobs, values, full_kls = [], [], []
+    policy, value_model, value_head = models.policy, models.value_model, models.value_head
+    ref_model = policy if models.ref_policy is None else models.ref_policy
+    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
+    for i in range(0, query_responses.size(0), chunk):
+        qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
+        trunk = {name: (hidden[i:i + chunk], n) for name, (hidden, n) in trunks.items()}
+        # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
+        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
+                     if args.use_peft else nullcontext())
+        with reference:
+            if full:
+                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
+                                                     trunk.get("policy"))[0], args.temperature, pad_token_id)
+            else:
+                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
+                                            trunk=trunk.get("policy"), fused_head=shortcuts.fused_head)[0]
+        if full:  # the policy's whole distribution too, one chunk at a time
+            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
+            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length,
+                                                               trunk.get("policy"))[0], args.temperature,
+                                                 pad_token_id), ref_out))
+        else:
+            ref_logprobs.append(ref_out)
+        del ref_out
+        if with_values and value_head is not None:  # from the policy's final states: kept while sampling, or run
+            hidden = kept["final"][i:i + chunk] if "final" in kept else None
+            values.append(value_forward(policy, qr, pad_token_id, context_length, value_head, hidden,
+                                        trunk.get("policy")))
+        elif with_values:
+            values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
+    values = torch.cat(values) if with_values else None
+    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
+
+
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
@@ -1229,37 +1404,55 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-def policy_logits(policy, query_responses, pad_token_id, context_length):
-    """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
+def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
+    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the blocks above the n
+    frozen ones alone, from their output (speed.py's `blocks_only`)."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
+    """(logits that predict each response token: positions context_length-1 .. -2, the final hidden states or None).
+    The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1,
-                 use_cache=False)
-    return out.logits[:, :-1]
+    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
+    with blocks:
+        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
+    return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
 
 
-def final_hidden_states(model, query_responses, pad_token_id):
+def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    out = unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
-    return out.last_hidden_state
+    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      with_entropy=False):
-    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution."""
-    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
-                          pad_token_id)
+                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
+    """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under the sampling
+    distribution."""
+    if fused_head:  # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients checked)
+        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
+        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
+                                          response_ids, temperature, pad_token_id, with_entropy)
+        return logprobs, entropy, hidden
+    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
+    logits = scale_logits(logits, temperature, pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
     entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
                else logits.new_zeros(0))
-    return logprobs_from_logits(logits, response_ids), entropy
+    return logprobs_from_logits(logits, response_ids), entropy, hidden
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None,
-                  hidden=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
     """values[:, t], read at the hidden state before response token t by `head` (--shared-value-head) or the value
     model's `score`; `hidden`: the final hidden states, if a forward computed them (the policy's, in training)."""
     if hidden is None:
-        hidden = final_hidden_states(value_model, query_responses, pad_token_id)
+        hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
     head = value_model.score if head is None else head
     return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
@@ -1273,133 +1466,19 @@ class PolicyAndValueWrapper(nn.Module):
         self.value_model = value_model
         self.value_head = value_head
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, paths=None):
-        """(log-probs, entropies, values) of the responses; --shared-value-head: the values from the same policy
-        forward, whose final hidden states a hook keeps. `paths`: the speed layer's forwards instead (`FastPaths`)."""
-        logprobs_of, values_of = (response_logprobs, value_forward) if paths is None else (
-            paths.response_logprobs, paths.value_forward)
-        hidden = []
-        hook = unpeft(self.policy).base_model.register_forward_hook(
-            lambda module, args, output: hidden.append(output.last_hidden_state))
-        try:
-            logprobs, entropy = logprobs_of(self.policy, query_responses, pad_token_id, context_length, response_ids,
-                                            temperature, with_entropy=True)
-        finally:
-            hook.remove()
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None,
+                fused_head=False):
+        """(log-probs, entropies, values) of the responses, each model from its frozen trunk in `trunks`, if any;
+        --shared-value-head: the values from the final hidden states of the same policy forward."""
+        trunks = trunks or {}
+        logprobs, entropy, hidden = response_logprobs(
+            self.policy, query_responses, pad_token_id, context_length, response_ids, temperature, with_entropy=True,
+            trunk=trunks.get("policy"), fused_head=fused_head, with_hidden=self.value_head is not None)
         if self.value_head is not None:
             return logprobs, entropy, value_forward(self.policy, query_responses, pad_token_id, context_length,
-                                                    self.value_head, hidden[0])
-        return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
-
-
-class Forwards:
-    """The forwards `main`'s phases run, plain (--no-fast-paths); ppo_harness/speed.py's `SpeedLayer` runs them through
-    shortcuts its probes find within 1e-4 of these functions, edited or not. Each reads `args.temperature`."""
-
-    def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
-        """Phase 1: (responses cut after the stop token, their log-probs)."""
-        return sample_responses(accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator)
-
-    def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
-        """Phase 2: (reference log-probs, values or None, the exact per-token KL or None)."""
-        return reference_and_values(models, query_responses, response_ids, context_length, args, pad_token_id,
-                                    with_values)
-
-    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, args):
-        """Phase 6: (log-probs, entropies, values) of these rows of the rollout, with gradients."""
-        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], args.temperature)
-
-    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, args):
-        """The policy's log-probs of these rows of the rollout (the --ratio-threshold guard)."""
-        return response_logprobs(policy, query_responses[rows], pad_token_id, context_length, response_ids[rows],
-                                 args.temperature)[0]
-
-    def probe_sampling(self, args, accelerator, setup, policy):
-        """The plain path has nothing to probe."""
-
-    def describe(self) -> str:
-        return "fast paths: off (--no-fast-paths, or no ppo_harness/speed.py)"
-
-
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses cut after the stop token, log-probs), sampled in chunks."""
-    chunk = args.local_rollout_forward_batch_size
-    gather_weights = args.ds3_gather_for_generation
-    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
-                     for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    if stop_token_id is not None:
-        responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs
-
-
-@torch.no_grad()
-def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
-    """(responses, logprobs): --response-length steps of `sample_next` with a KV cache (`synced`: ZeRO-3's)"""
-    inputs = model_inputs(queries, pad_token_id)
-    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
-    out = policy(**inputs, use_cache=True, logits_to_keep=last)
-    tokens, logprobs = [], []
-    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    for step in range(args.response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
-        tokens.append(token)
-        logprobs.append(logprob)
-        if step == args.response_length - 1 or stop_token_id is not None and bool(done):
-            break
-        new_column = attention_mask.new_ones(attention_mask.size(0), 1)
-        attention_mask = torch.cat([attention_mask, new_column], dim=1)
-        position_ids = position_ids + 1
-        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=out.past_key_values, use_cache=True)
-    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
-
-
-def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
-    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here (the speed layer draws here too); its log-prob must stay training's (on-policy)
-    logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
-    if stop_token_id is not None:
-        finished = finished | (token.squeeze(-1) == stop_token_id)
-    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
-    if synced:
-        done = done.float()
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
-
-
-def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, with_values=True):
-    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or None)."""
-    ref_logprobs, values, full_kls = [], [], []
-    policy, value_model, value_head = models.policy, models.value_model, models.value_head
-    ref_model = policy if models.ref_policy is None else models.ref_policy
-    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
-    for i in range(0, query_responses.size(0), chunk):
-        qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
-        # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
-        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
-                     if args.use_peft else nullcontext())
-        with reference:
-            ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length), args.temperature,
-                                   pad_token_id)
-        ref_logprobs.append(logprobs_from_logits(ref_out, ids))
-        if full:  # the policy's whole distribution too, one chunk at a time
-            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length),
-                                                 args.temperature, pad_token_id), ref_out))
-        del ref_out
-        if with_values:
-            values.append(value_forward(value_model, qr, pad_token_id, context_length) if value_head is None
-                          else value_forward(policy, qr, pad_token_id, context_length, value_head))
-    values = torch.cat(values) if with_values else None
-    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
+                                                    self.value_head, hidden)
+        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
+                                                trunk=trunks.get("value"))
 
 
 # ---- Scores: reward models here, reward functions through ppo_harness/rewards.py -------------------------------------
@@ -1474,30 +1553,25 @@ def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args
     return scores
 
 
-def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, query_responses,
-                      response_ids, logprobs, padding_mask, pad_token_id: int) -> bool:
+def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,
+                      pad_token_id: int) -> bool:
     """--ratio-threshold: skip a minibatch whose masked mean ratio (all processes, no grad) exceeds it (classic TRL
     zeroed the loss, and still stepped Adam)."""
     if args.ratio_threshold is None:
         return False
     total = torch.zeros(2, device=accelerator.device)
-    context_length = query_responses.size(1) - response_ids.size(1)
+    context_length = r.query_responses.size(1) - r.responses.size(1)
     with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
         for mbi in micro_batches:
-            new = models.forwards.logprobs(models.policy, mbi, query_responses, pad_token_id, context_length,
-                                           response_ids, args)
-            real = ~padding_mask[mbi]
-            total += torch.stack([(torch.exp(new - logprobs[mbi]) * real).sum(), real.sum()])
+            trunk = r.trunks.get("policy")
+            new = response_logprobs(models.policy, r.query_responses[mbi], pad_token_id, context_length,
+                                    r.response_ids[mbi], args.temperature,
+                                    trunk=None if trunk is None else (trunk[0][mbi], trunk[1]),
+                                    fused_head=models.shortcuts.fused_head)[0]
+            real = ~r.padding_mask[mbi]
+            total += torch.stack([(torch.exp(new - r.logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
     return (total[0] / total[1]).item() > args.ratio_threshold
-
-
-def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
-    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
-    non_finite = torch.tensor(float(not torch.isfinite(loss)), device=loss.device)
-    if accelerator.reduce(non_finite, "sum") > 0:
-        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
-                                 f"{checkpoints}")
 
 
 # ---- The held-out evaluation -----------------------------------------------------------------------------------------
@@ -1511,13 +1585,15 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
     pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
-        responses, logprobs = models.forwards.sample(accelerator, models.model, eval_queries, args, setup.zero3,
-                                                     pad_token_id, setup.stop_token_id, generator)
+        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
+                                                     pad_token_id, setup.stop_token_id, models.shortcuts, generator)
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
-        ref_logprobs, _, full_kl_per_token = models.forwards.score(
-            models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),
-            eval_queries.size(1), args, pad_token_id, with_values=False)
+        query_responses = torch.cat((eval_queries, responses), 1)
+        trunks = frozen_trunks(models, query_responses, pad_token_id, kept, models.shortcuts, args, with_value=False)
+        ref_logprobs, _, full_kl_per_token = reference_and_values(
+            models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
+            pad_token_id, models.shortcuts, trunks, kept, with_values=False)
         padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
         kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
     queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)

@@ -6,6 +6,7 @@ import math
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple
@@ -26,14 +27,10 @@ from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_fo
                                 unpeft)
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models, write_atomic
-from ppo_harness.run_log import RunLog, print_banner, print_rows
-
-try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
-    from ppo_harness.speed import SpeedLayer
-except ModuleNotFoundError as missing:
-    if missing.name != "ppo_harness.speed":
-        raise
-    SpeedLayer = None
+from ppo_harness.run_log import FiniteLosses, RunLog, print_banner, print_rows
+from ppo_harness.speed import (CompileWatch, HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
+                               head_logprobs, keep_states, kept_states, on_device, prefill_shared_prefix,
+                               ready_to_compile, should_compile)
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
@@ -42,7 +39,7 @@ EVAL_TEMPERATURE = 0.01  # near-greedy validation generation, as OpenAI's sample
 RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
     "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
     "save_at_end", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
-    "trust_remote_code", "ds3_gather_for_generation", "eval_samples"}
+    "trust_remote_code", "ds3_gather_for_generation", "eval_samples", "compile"}
 
 
 @dataclass
@@ -161,9 +158,15 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     ds3_gather_for_generation: bool = True
     """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards, slowly but smaller)"""
     fast_paths: bool = True
-    """ppo_harness/speed.py's exact shortcuts, each where its start-up probe passes (off: the plain forwards alone)"""
+    """ppo_harness/speed.py's shortcuts, each where its start-up check passes (off: the plain forwards alone)"""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long enough to pay the
+    compile time back (README "Speed"), off on the CPU (slower there than the speed layer)"""
+    tf32: bool = False
+    """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later, values change"""
     sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
-    """auto: a static KV cache in CUDA graphs on CUDA where probed exact, else dynamic; static: uncompiled"""
+    """auto: a static KV cache in CUDA graphs where --compile is on and its check passes, else dynamic; static:
+    uncompiled"""
 
 
 # ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
@@ -221,9 +224,9 @@ def truncate_response(stop_token_id: int, pad_token_id: int,
     return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
 
 
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
-    """Left-pad token lists into one (batch, longest) tensor: generation continues from the right edge."""
-    width = max(len(s) for s in sequences)
+def left_pad(sequences: list[list[int]], pad_token_id: int, width: int | None = None) -> torch.Tensor:
+    """Left-pad token lists into one (batch, longest or `width`) tensor: generation continues from the right edge."""
+    width = max([len(s) for s in sequences] + [width or 0])
     rows = [[pad_token_id] * (width - len(s)) + list(s) for s in sequences]
     return torch.tensor(rows, dtype=torch.long)
 
@@ -387,10 +390,12 @@ def main(args: Args) -> None:
     # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, forwards = models.model, models.optimizer, models.forwards
+    model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
     sizes, folder = setup.sizes, setup.folder
     device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
+    # the training step: the page's own `ppo_loss`, compiled whole (forward, losses, and so their backward) by --compile
+    training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False) if setup.compiled else ppo_loss
     console = Console()
     # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
@@ -408,13 +413,14 @@ def main(args: Args) -> None:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
     preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
+    compile_watch = CompileWatch()
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
             "reward model": models.reward_model},
             accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
             [f"score bias (N+ detail 14): reward model {score_bias(models.reward_model.config):.4g}, value model "
-             f"{score_bias(models.value_model.config):.4g}", *folder.banner_lines(), forwards.describe()])
+             f"{score_bias(models.value_model.config):.4g}", *folder.banner_lines(), *shortcuts.notes])
     start_time, stopping = time.time(), False
     run_log.progress.start()
     for update in range(start_update, sizes.num_updates + 1):
@@ -425,14 +431,16 @@ def main(args: Args) -> None:
             group["lr"] = anneal * group["initial_lr"]
         lr = optimizer.param_groups[0]["lr"]  # the policy's
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
-        queries = left_pad(setup.train_dataset[indices.tolist()]["input_ids"], pad_token_id).to(device)
+        # compiled, every update has the run's widest shapes: one compilation (`Setup.query_width`)
+        queries = left_pad(setup.train_dataset[indices.tolist()]["input_ids"], pad_token_id, setup.query_width)
+        queries = queries.to(device)
         context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after eos (N+ 21)
-            responses, logprobs = forwards.sample(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                  stop_token_id)
+            responses, logprobs, _ = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
+                                                      stop_token_id, shortcuts)
             responses = pad_columns(responses, args.response_length, pad_token_id)  # SFD: a score lands past eos
             logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
@@ -442,8 +450,8 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values
-            ref_logprobs, values, _ = forwards.score(models, query_responses, response_ids, context_length, args,
-                                                     pad_token_id)
+            ref_logprobs, values, _ = reference_and_values(models, query_responses, response_ids, context_length,
+                                                           args, pad_token_id, shortcuts)
             # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
             scores = score_responses(models.reward_model, queries, responses, pad_token_id,
                                      args.local_rollout_forward_batch_size)
@@ -465,8 +473,8 @@ def main(args: Args) -> None:
             advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
                                               rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
-            # the rollout as phase 7's metrics read it: a name phase 6 reassigns leaves them as they were
-            rollout = Rollout(responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+            # the rollout as phase 6 trains on it and phase 7's metrics read it: a name phase 6 reassigns leaves it
+            rollout = Rollout(query_responses=query_responses, response_ids=response_ids, responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
                               padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
                               values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
                               advantages=advantages, returns=returns, scores=scores,
@@ -476,29 +484,17 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         model.train()
         step_stats, optimizer_steps = [], 0  # stats: a dict per micro-batch
+        finite = FiniteLosses(device)  # each loss checked on the device, read once after the epochs (no wait per step)
         for ppo_epoch_idx in range(args.num_ppo_epochs):
-            b_inds = np.random.permutation(sizes.local_batch_size)
+            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)  # one copy, not one per step
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [torch.as_tensor(mini_batch_inds[i:i + args.per_device_train_batch_size], device=device)
+                micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
                                  for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = forwards.train(model, mbi, query_responses, pad_token_id,
-                                                                      context_length, response_ids, args)
-                        new_logprobs = new_logprobs.masked_fill(padding_mask[mbi], INVALID_LOGPROB)
-                        vpred = vpred.masked_fill(padding_mask_p1[mbi], 0)
-                        pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(
-                            new_logprobs, logprobs[mbi], advantages[mbi], padding_mask[mbi], args.cliprange)
-                        vf_loss, vf_clipfrac = value_loss(vpred, values[mbi], returns[mbi], padding_mask_p1[mbi],
-                                                          args.cliprange_value)
-                        stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac,
-                                 "loss/policy_avg": pg_loss, "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-                                 "policy/entropy_avg": masked_mean(entropy, ~padding_mask[mbi]), "ratio": ratio_mean}
-                        # ALGO LOGIC: a loss term goes here (and its mean into `stats`, to log it)
-                        loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
-                        check_finite_loss(accelerator, loss, f"update {update} (PPO epoch {ppo_epoch_idx + 1}, "
-                                          f"minibatch {minibatch_idx + 1})", folder.checkpoints)
+                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id, shortcuts.fused_head)
+                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -507,7 +503,8 @@ def main(args: Args) -> None:
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
-                    del new_logprobs, entropy, vpred, loss, stats
+                    del loss, stats
+        finite.check(accelerator, update, folder.checkpoints)
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail 30)
@@ -527,6 +524,7 @@ def main(args: Args) -> None:
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run_log.log(update, metrics)
+        compile_watch.report(update, time_training, console if accelerator.is_main_process else None)
 
         # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
         stopping = preemption.requested(accelerator)
@@ -548,9 +546,31 @@ def main(args: Args) -> None:
         preemption.exit(console, update, folder.checkpoints)
 
 
+def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False):
+    """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value losses, their sum
+    (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read a tensor on the host."""
+    context_length = r.query_responses.size(1) - r.responses.size(1)
+    new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
+                                         r.response_ids[rows], args.temperature, fused_head)
+    padding_mask, padding_mask_p1 = r.padding_mask[rows], r.padding_mask_p1[rows]
+    new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+    vpred = vpred.masked_fill(padding_mask_p1, 0)
+    pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(new_logprobs, r.logprobs[rows], r.advantages[rows],
+                                                             padding_mask, args.cliprange)
+    vf_loss, vf_clipfrac = value_loss(vpred, r.values[rows], r.returns[rows], padding_mask_p1, args.cliprange_value)
+    stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac, "loss/policy_avg": pg_loss,
+             "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
+             "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean}
+    # ALGO LOGIC: a loss term goes here (and its mean into `stats`, to log it)
+    loss = pg_loss + args.vf_coef * vf_loss  # no entropy bonus, no KL loss term (as TRL and SFD)
+    return loss, stats
+
+
 # ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
 class Rollout(NamedTuple):
-    """One update's rollout on this process as phases 1-5 left it: what a metric can read (per response or token)."""
+    """One update's rollout on this process as phases 1-5 left it: what phase 6 trains on, what a metric can read."""
+    query_responses: torch.Tensor
+    response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
     responses: torch.Tensor
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
     padding_mask: torch.Tensor  # True past the last real token
@@ -602,6 +622,8 @@ class Setup:
     stop_token_id: int | None
     train_dataset: Dataset
     eval_rows: Dataset  # this process's held-out posts, with their `index` among all of them
+    compiled: bool = False  # --compile: the training step and the sampler through torch.compile
+    query_width: int | None = None  # compiled: every update's queries padded to the widest post (one compilation)
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
@@ -610,6 +632,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps,
                         args.num_mini_batches, accelerator.num_processes, args.total_episodes)
+    compiled = should_compile(args, accelerator, sizes.num_updates)  # --compile auto: CUDA, and a run long enough
+    if args.tf32 and accelerator.device.type == "cuda":  # 10-bit mantissa matmuls: faster, values change
+        torch.backends.cuda.matmul.allow_tf32 = True
     tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, padding_side="left",  # N+ detail 3
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -659,9 +684,11 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     models = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
               "--value-model-path": args.value_model_path}
     folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
+    query_width = max(len(ids) for ids in train_dataset["input_ids"]) if compiled else None
     return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
                               tokenizer=tokenizer, stop_token_id=stop_token_id,
-                              train_dataset=train_dataset, eval_rows=eval_rows)
+                              train_dataset=train_dataset, eval_rows=eval_rows, compiled=compiled,
+                              query_width=query_width)
 
 
 def check_args(args: Args) -> None:
@@ -731,7 +758,7 @@ class Models:
     ref_policy: nn.Module
     value_model: nn.Module
     reward_model: nn.Module
-    forwards: "Forwards"  # what main's phases run: plain, or through the speed layer (ppo_harness/speed.py)
+    shortcuts: Shortcuts  # the speed layer's shortcuts its checks accepted (the banner says which)
     reference_score: float  # the held-out references' mean score, the same at every validation: scored once
 
 
@@ -752,10 +779,11 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         disable_dropout(m)  # N+ detail 7
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
-    forwards = Forwards()
-    if args.fast_paths and SpeedLayer is not None:  # ppo_harness/speed.py, probed against this script's forwards
-        forwards = SpeedLayer(sys.modules[__name__], args, setup, policy, value_model)
+    # the fused head, checked against this page's forwards as they are (ppo_harness/speed.py)
+    shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, None, setup.compiled)
     model = PolicyAndValueWrapper(policy, value_model)
+    if setup.compiled:  # transformers installs its hidden-state hooks under a lock dynamo cannot trace
+        ready_to_compile(model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
     # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(args.vf_learning_rate, value=...)
     optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value_model), eps=1e-5,
@@ -768,8 +796,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    forwards.probe_sampling(args, accelerator, setup, policy)  # on the prepared policy, in the run's precision
-    return Models(model, optimizer, policy, ref_policy, value_model, reward_model, forwards,
+    # sampling's shortcuts, checked on the prepared policy, in the run's precision
+    shortcuts = check_sampling(sys.modules[__name__], args, accelerator, setup, policy, None, shortcuts)
+    return Models(model, optimizer, policy, ref_policy, value_model, reward_model, shortcuts,
                   reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size))
 
 
@@ -793,7 +822,102 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, name, dict.fromkeys(getattr(module, name), 0.0))
 
 
-# ---- The forwards: the plain computation (ppo_harness/speed.py's shortcuts are probed against it) --------------------
+# ---- The forwards: sampling, then the scoring and training forwards --------------------------------------------------
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
+    """(responses cut after the stop token, their log-probs, the states kept while sampling: `shortcuts.keep`),
+    sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    gather_weights = args.ds3_gather_for_generation
+    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
+            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
+                              shortcuts) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
+                       queries.size(1) + responses.size(1))
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs, kept
+
+
+@torch.no_grad()
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
+             shortcuts=Shortcuts()):
+    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed back through a KV cache
+    (`synced`: ZeRO-3's, every process steps alike). States kept for scoring need the last token fed too."""
+    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
+    if shortcuts.shared_prefix:  # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
+        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
+    else:
+        inputs = model_inputs(queries, pad_token_id)
+        out = policy(**inputs, use_cache=True, logits_to_keep=last)
+        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache (speed.py, checked)
+    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
+                                         args.response_length) if shortcuts.static is not None else None
+    logits, tokens, logprobs = out.logits[:, -1], [], []
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    done_flag = HostFlag(queries.device)  # read once the next forward is queued: the GPU never waits for the host
+    for step in range(args.response_length):
+        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
+        tokens.append(token)
+        logprobs.append(logprob)
+        final = step == args.response_length - 1
+        if final and not shortcuts.keep:
+            break
+        if stop_token_id is not None:
+            done_flag.send(done)
+        if static_step is not None:
+            logits = static_step(token)
+        else:
+            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
+            logits = out.logits[:, -1]
+        if final or stop_token_id is not None and done_flag.read():
+            break
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
+    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
+    # ALGO LOGIC: top-p, top-k... here; the token's log-prob must stay training's (`scale_logits`: on-policy)
+    logits = scale_logits(logits, args.temperature, pad_token_id)
+    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    if stop_token_id is not None:
+        finished = finished | (token.squeeze(-1) == stop_token_id)
+    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
+    if synced:
+        done = done.float()
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
+
+
+def next_token_forward(policy, token, out, attention_mask, position_ids):
+    """One token through the dynamic KV cache of `out`: (the output, the attention mask and position ids grown)."""
+    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+    position_ids = position_ids + 1
+    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=out.past_key_values, use_cache=True)
+    return out, attention_mask, position_ids
+
+
+def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
+                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, with_values=True):
+    """The no-grad forwards in chunks: reference log-probs, values (or None), no exact KL (TL;DR's k1 and k3)."""
+    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
+    for i in range(0, query_responses.size(0), chunk):
+        qr = query_responses[i:i + chunk]
+        ref_logprobs.append(response_logprobs(models.ref_policy, qr, pad_token_id, context_length,
+                                              response_ids[i:i + chunk], args.temperature,
+                                              fused_head=shortcuts.fused_head)[0])
+        if with_values:
+            values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
+    return torch.cat(ref_logprobs), torch.cat(values) if with_values else None, None
+
+
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
@@ -801,29 +925,48 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-def policy_logits(policy, query_responses, pad_token_id, context_length):
-    """Logits that predict each response token: positions context_length-1 .. -2. The LM head runs only there."""
+def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
+    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the blocks above the n
+    frozen ones alone, from their output (speed.py's `blocks_only`)."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
+    """(logits that predict each response token: positions context_length-1 .. -2, the final hidden states or None).
+    The LM head runs only there."""
     response_length = query_responses.size(1) - context_length
-    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1,
-                 use_cache=False)
-    return out.logits[:, :-1]
+    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
+    with blocks:
+        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
+    return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
 
 
-def final_hidden_states(model, query_responses, pad_token_id):
+def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    out = unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
-    return out.last_hidden_state
+    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      with_entropy=False):
-    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution."""
-    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
-                          pad_token_id)
+                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
+    """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under the sampling
+    distribution."""
+    if fused_head:  # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients checked)
+        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
+        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
+                                          response_ids, temperature, pad_token_id, with_entropy)
+        return logprobs, entropy, hidden
+    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
+    logits = scale_logits(logits, temperature, pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
     entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
                else logits.new_zeros(0))
-    return logprobs_from_logits(logits, response_ids), entropy
+    return logprobs_from_logits(logits, response_ids), entropy, hidden
 
 
 def score_bias(config) -> float:
@@ -856,112 +999,11 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, paths=None):
-        """(log-probs, entropies, values) of the responses. `paths`: the speed layer's forwards instead."""
-        logprobs_of, values_of = (response_logprobs, value_forward) if paths is None else (
-            paths.response_logprobs, paths.value_forward)
-        logprobs, entropy = logprobs_of(self.policy, query_responses, pad_token_id, context_length, response_ids,
-                                        temperature, with_entropy=True)
-        return logprobs, entropy, values_of(self.value_model, query_responses, pad_token_id, context_length)
-
-
-
-class Forwards:
-    """The forwards `main`'s phases run, plain (--no-fast-paths); ppo_harness/speed.py's `SpeedLayer` runs them through
-    shortcuts its probes find within 1e-4 of these functions, edited or not. Each reads `args.temperature`."""
-
-    def sample(self, accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator=None):
-        """Phase 1: (responses cut after the stop token, their log-probs)."""
-        return sample_responses(accelerator, model, queries, args, zero3, pad_token_id, stop_token_id, generator)
-
-    def score(self, models, query_responses, response_ids, context_length, args, pad_token_id, with_values=True):
-        """Phase 2: (reference log-probs, values or None, the exact per-token KL or None)."""
-        return reference_and_values(models, query_responses, response_ids, context_length, args, pad_token_id,
-                                    with_values)
-
-    def train(self, model, rows, query_responses, pad_token_id, context_length, response_ids, args):
-        """Phase 6: (log-probs, entropies, values) of these rows of the rollout, with gradients."""
-        return model(query_responses[rows], pad_token_id, context_length, response_ids[rows], args.temperature)
-
-    def logprobs(self, policy, rows, query_responses, pad_token_id, context_length, response_ids, args):
-        """The policy's log-probs of these rows of the rollout (the --ratio-threshold guard)."""
-        return response_logprobs(policy, query_responses[rows], pad_token_id, context_length, response_ids[rows],
-                                 args.temperature)[0]
-
-    def probe_sampling(self, args, accelerator, setup, policy):
-        """The plain path has nothing to probe."""
-
-    def describe(self) -> str:
-        return "fast paths: off (--no-fast-paths, or no ppo_harness/speed.py)"
-
-
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, generator=None):
-    """(responses cut after the stop token, log-probs), sampled in chunks."""
-    chunk = args.local_rollout_forward_batch_size
-    gather_weights = args.ds3_gather_for_generation
-    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced):
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
-                     for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    if stop_token_id is not None:
-        responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs
-
-
-@torch.no_grad()
-def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
-    """(responses, logprobs): --response-length steps of `sample_next` with a KV cache (`synced`: ZeRO-3's)"""
-    inputs = model_inputs(queries, pad_token_id)
-    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
-    out = policy(**inputs, use_cache=True, logits_to_keep=last)
-    tokens, logprobs = [], []
-    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    for step in range(args.response_length):
-        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
-        tokens.append(token)
-        logprobs.append(logprob)
-        if step == args.response_length - 1 or stop_token_id is not None and bool(done):
-            break
-        new_column = attention_mask.new_ones(attention_mask.size(0), 1)
-        attention_mask = torch.cat([attention_mask, new_column], dim=1)
-        position_ids = position_ids + 1
-        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=out.past_key_values, use_cache=True)
-    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
-
-
-def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
-    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here (the speed layer draws here too); its log-prob must stay training's (on-policy)
-    logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
-    if stop_token_id is not None:
-        finished = finished | (token.squeeze(-1) == stop_token_id)
-    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
-    if synced:
-        done = done.float()
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
-
-
-def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, with_values=True):
-    """The no-grad forwards in chunks: reference log-probs, values (or None), no exact KL (TL;DR's k1 and k3)."""
-    chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
-    for i in range(0, query_responses.size(0), chunk):
-        qr = query_responses[i:i + chunk]
-        ref_logits = scale_logits(policy_logits(models.ref_policy, qr, pad_token_id, context_length),
-                                  args.temperature, pad_token_id)
-        ref_logprobs.append(logprobs_from_logits(ref_logits, response_ids[i:i + chunk]))
-        del ref_logits
-        if with_values:
-            values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
-    return torch.cat(ref_logprobs), torch.cat(values) if with_values else None, None
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused_head=False):
+        """(log-probs, entropies, values) of the responses."""
+        logprobs, entropy, _ = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
+                                                 response_ids, temperature, with_entropy=True, fused_head=fused_head)
+        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length)
 
 
 # ---- Scores and one update's steps -----------------------------------------------------------------------------------
@@ -974,14 +1016,6 @@ def score_responses(reward_model: nn.Module, queries: torch.Tensor, responses: t
                       for i in range(0, queries.size(0), chunk)])
 
 
-def check_finite_loss(accelerator: Accelerator, loss: torch.Tensor, where: str, checkpoints: Path) -> None:
-    """Stop every process together when any has a non-finite loss, before its gradients reach the weights."""
-    non_finite = torch.tensor(float(not torch.isfinite(loss)), device=loss.device)
-    if accelerator.reduce(non_finite, "sum") > 0:
-        raise FloatingPointError(f"{where}: non-finite loss on some rank; the last good checkpoint is kept in "
-                                 f"{checkpoints}")
-
-
 # ---- The held-out validation -----------------------------------------------------------------------------------------
 def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
              update: int, run_log: RunLog) -> dict:
@@ -990,8 +1024,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     eval_args, chunk = replace(args, temperature=EVAL_TEMPERATURE), args.local_rollout_forward_batch_size
     with torch.no_grad(), accelerator.autocast():
-        responses, _ = models.forwards.sample(accelerator, models.model, eval_queries, eval_args, setup.zero3,
-                                              pad_token_id, setup.stop_token_id, generator)
+        responses, _, _ = sample_responses(accelerator, models.model, eval_queries, eval_args, setup.zero3,
+                                           pad_token_id, setup.stop_token_id, models.shortcuts, generator)
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
     columns = zip(held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]], responses,
                   scores.tolist())

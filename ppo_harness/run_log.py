@@ -2,8 +2,11 @@
 in metrics.jsonl, TensorBoard's points (CleanRL's logging; wandb syncs them with --track), a console line and the
 progress bar, all on the main process."""
 import json
+import time
 from dataclasses import asdict
 
+import psutil
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from torch.utils.tensorboard import SummaryWriter
@@ -30,6 +33,9 @@ class RunLog:
     Opening it writes args.json and drops the logs' rows of the updates a resumed run redoes."""
 
     def __init__(self, args, accelerator, folder: RunFolder, num_updates: int, start_update: int, console):
+        # start-up: from the process's start to here (imports, set-up, models, checks, the sampler's compilation),
+        # logged as time/startup with the first update
+        self.startup = time.time() - psutil.Process().create_time()
         self.main_process, self.track, self.num_updates = accelerator.is_main_process, args.track, num_updates
         self.folder, self.console = folder.path, console
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -55,6 +61,8 @@ class RunLog:
 
     def log(self, update: int, metrics: dict, samples: list[dict] = ()) -> None:
         """An update's metrics, and `samples` (a few of its rollout's rows) into training_samples.jsonl."""
+        if update > 0 and self.startup is not None:
+            metrics, self.startup = {**metrics, "time/startup": self.startup}, None
         if not self.main_process:
             return
         self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
@@ -121,3 +129,23 @@ def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: 
                       f"{sum(n for n, _, trains in params if trains) / 1e6:.1f}M",
                       f"{(weights + training) / 2**30:.2f} GiB")
     console.print(table)
+
+
+class FiniteLosses:
+    """Whether every micro-batch's loss was finite, noted on the device and read once per update, after the PPO
+    epochs: a read per step would make the host wait for the GPU at every step. The first non-finite one is named,
+    and every process stops together (the update's weights are not saved: the last good checkpoint stays)."""
+
+    def __init__(self, device):
+        self.first = torch.zeros((), dtype=torch.long, device=device)  # 1 + the first bad micro-batch's index, or 0
+        self.where = []
+
+    def note(self, loss, where: str) -> None:
+        self.where.append(where)
+        self.first = torch.where((self.first == 0) & ~torch.isfinite(loss.detach()), len(self.where), self.first)
+
+    def check(self, accelerator, update: int, checkpoints) -> None:
+        first = [f for f in accelerator.gather(self.first[None]).tolist() if f > 0]
+        if first:
+            raise FloatingPointError(f"update {update} ({self.where[min(first) - 1]}): non-finite loss on some rank; "
+                                     f"the last good checkpoint is kept in {checkpoints}")

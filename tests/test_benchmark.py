@@ -139,23 +139,29 @@ def test_gpu_bench_reads_the_steady_rate_and_compilations_from_a_run():
     assert gpu_bench.compilations(log) == [41.5, 3.0]
 
 
-def test_gpu_bench_plans_the_dynamic_sampler_first_and_reports_a_failed_run():
-    """Per precision the dynamic sampler runs first (it compiles nothing: the budget check's first estimate is a short
-    run), then ppo.py and TRL alternate; a failed run is a row with its reason and the others are still reported;
-    --tiny runs 2 updates; the sampler's graph counts are read from its log."""
-    args = gpu_bench.Args(trl_python="python", repeats=2, tiny=True)
-    assert [(name, precision) for name, precision, _, _ in gpu_bench.plan(args)][:5] == [
-        ("ppo.py --sampler dynamic", "fp32"), ("ppo.py", "fp32"), ("TRL 1.12", "fp32"), ("ppo.py", "fp32"),
-        ("TRL 1.12", "fp32")]
+def test_gpu_bench_plans_the_checks_runs_in_order_and_reports_a_failed_run():
+    """The GPU check's runs in PLAN's order (TRL's only with a TRL environment; the profiled run 4 updates); a failed
+    run is a row with its reason and the others are still reported, with their ratios to TRL in the same precision;
+    --tiny runs 2 updates; the sampler's and the training step's compilations are read from the log."""
+    args = gpu_bench.Args(trl_python="python", tiny=True)
+    names = [name for name, _ in gpu_bench.plan(args)]
+    assert names[:3] == ["TRL 1.12 bf16", "ppo.py bf16 --compile on (cold)", "ppo.py bf16 --compile auto (cold)"]
+    assert len(names) == len(gpu_bench.PLAN) and "TRL 1.12 fp32" not in [n for n, _ in gpu_bench.plan(
+        gpu_bench.Args(tiny=True))]
+    assert dict(gpu_bench.plan(args))["ppo.py bf16 profiled (updates 3-4)"]["episodes"] == 4 * 8
     assert gpu_bench.episodes(args) == 16 and gpu_bench.episodes(gpu_bench.Args()) == 640
-    ok = dict(eps=20.0, phases={"generation": 1.0, "scoring": 1.0, "training": 1.0}, sample_tokens_per_s=3000.0,
-              full_eps=10.0, compile_s=[40.0], graphs=2, cudagraph_skips=0, compiled_again=1, peak_gb=20.0)
-    results = [dict(trainer="ppo.py --sampler dynamic", precision="fp32", run=0, **ok),
-               dict(trainer="ppo.py", precision="fp32", run=0, **{**ok, "sample_tokens_per_s": 12000.0}),
-               dict(trainer="TRL 1.12", precision="fp32", run=0, failed="RunFailed: TRL 1.12 failed (1): OOM")]
-    text = gpu_bench.report(results, gpu_bench.Args(precisions=["fp32"]))
-    assert "| TRL 1.12 | fp32 | RunFailed: TRL 1.12 failed (1): OOM |" in text and "| 2, 0 (+1 again) |" in text
-    assert "sampling, new tokens/s against the dynamic sampler's: 4.00x" in text
+    ok = dict(eps=40.0, phases={"generation": 1.0, "scoring": 1.0, "training": 1.0}, sample_tokens_per_s=12000.0,
+              full_eps=12.0, compile_s=[40.0], graphs=2, cudagraph_skips=0, compiled_again=1, peak_gb=15.0,
+              startup_s=20.0, first_training_s=50.0, training_s_per_update=0.4)
+    results = [dict(run="TRL 1.12 bf16", eps=10.0, phases={}, full_eps=10.0, compile_s=[], peak_gb=30.0),
+               dict(run="ppo.py bf16 --compile on (cold)", **ok),
+               dict(run="TRL 1.12 fp32", failed="RunFailed: TRL 1.12 failed (1): OOM")]
+    text = gpu_bench.report(results, args)
+    assert "| TRL 1.12 fp32 | RunFailed: TRL 1.12 failed (1): OOM |" in text and "| 2, 0 (+1 again) |" in text
+    assert ("ppo.py bf16 --compile on (cold) / TRL 1.12 bf16: episodes/s (updates 2..) 4.00x, full run 1.20x, peak "
+            "memory 0.50x") in text
     log = "compiled the sampler for 64 rows x 117 positions in 41.5 s (3 graphs compiled, 1 CUDA graph skips)\n" \
-          "the sampler compiled again at 64 rows x 117 positions (4 graphs compiled, 1 CUDA graph skips)\n"
-    assert gpu_bench.graph_counts(log) == dict(graphs=4, cudagraph_skips=1, compiled_again=1)
+          "the sampler compiled again at 64 rows x 117 positions (4 graphs compiled, 1 CUDA graph skips)\n" \
+          "update 1: torch.compile made 3 graph(s) (1 CUDA graph skips so far); its training phase took 50.0 s\n" \
+          "update 7: torch.compile made 1 graph(s) (1 CUDA graph skips so far); its training phase took 9.0 s\n"
+    assert gpu_bench.graph_counts(log) == dict(graphs=4, cudagraph_skips=1, compiled_again=2)

@@ -2,6 +2,7 @@
 folder (claim, lock, resume check, checkpoints, logs), the run log, the flags' intervals and the prompt files."""
 import ast
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -153,8 +154,9 @@ def test_the_run_log_writes_args_metrics_and_tensorboard(accelerator, tmp_path):
     log.log(1, {"objective/scores": 0.5})
     log.close()
     assert json.loads((folder.path / "args.json").read_text())["run_name"] == folder.run_name
-    assert [json.loads(line) for line in (folder.path / "metrics.jsonl").read_text().splitlines()] == [
-        {"update": 1, "objective/scores": 0.5}]
+    rows = [json.loads(line) for line in (folder.path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"update": 1, "objective/scores": 0.5, "time/startup": rows[0]["time/startup"]}]
+    assert 0 < rows[0]["time/startup"] < 3600  # since this process started, logged once, with the first update
     assert list(folder.path.glob("events.out.tfevents.*"))
 
 
@@ -295,3 +297,50 @@ def test_numpy_scalars_and_bools_are_scores():
 
     scores = checked_scores([np.bool_(True), np.float32(0.5), True, None], {"completions": [0] * 4}, "cpu", "f")
     assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()
+
+
+def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspeed_never(monkeypatch):
+    """--compile auto: on for one CUDA process without DeepSpeed in a run of at least 40 updates; off on the CPU, for
+    several processes, under DeepSpeed or in a short run. --compile on under DeepSpeed is refused by name; on sets the
+    compile cache's folder."""
+    from types import SimpleNamespace as NS
+
+    from ppo_harness.speed import should_compile
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    def accelerator(device="cuda", processes=1, deepspeed=None):
+        return NS(device=torch.device(device), num_processes=processes, state=NS(deepspeed_plugin=deepspeed))
+    assert should_compile(NS(compile="auto"), accelerator(), 40)
+    assert not should_compile(NS(compile="auto"), accelerator(), 39)
+    assert not should_compile(NS(compile="auto"), accelerator("cpu"), 1000)
+    assert not should_compile(NS(compile="auto"), accelerator(processes=2), 1000)
+    assert not should_compile(NS(compile="auto"), accelerator(deepspeed=object()), 1000)
+    assert not should_compile(NS(compile="off"), accelerator(), 1000)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert should_compile(NS(compile="on"), accelerator("cpu"), 1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("torch_compile")
+    with pytest.raises(ValueError, match="--compile on: DeepSpeed"):
+        should_compile(NS(compile="on"), accelerator(deepspeed=object()), 1000)
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
+def test_the_speed_layers_contract_with_the_scripts_is_written_once_and_kept(script):
+    """The names ppo_harness/speed.py calls in a script (`SCRIPT_CONTRACT`) are functions both scripts define, with
+    the parameters the speed layer passes; a copy that lost one is refused by name before any model loads."""
+    import importlib
+    import types
+
+    from ppo_harness.speed import SCRIPT_CONTRACT, check_contract
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    check_contract(module)
+    params = {name: list(inspect.signature(getattr(module, name)).parameters) for name in SCRIPT_CONTRACT}
+    assert params["response_logprobs"][:6] == ["policy", "query_responses", "pad_token_id", "context_length",
+                                               "response_ids", "temperature"]
+    assert {"trunk", "fused_head", "with_hidden", "with_entropy"} <= set(params["response_logprobs"])
+    assert params["generate"][-1] == "shortcuts" and params["model_inputs"] == ["query_responses", "pad_token_id"]
+    copy = types.ModuleType("copy")
+    copy.__file__ = "my_ppo.py"
+    copy.__dict__.update({name: getattr(module, name) for name in SCRIPT_CONTRACT if name != "generate"})
+    with pytest.raises(AttributeError, match=r"my_ppo.py: the speed layer .* calls \['generate'\]"):
+        check_contract(copy)

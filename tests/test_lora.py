@@ -23,7 +23,7 @@ def llama(tmp_path_factory):
 
 
 def logprobs(model, qr, context_length=2):
-    logits = ppo.scale_logits(ppo.policy_logits(model, qr, PAD, context_length), 1.0, PAD)
+    logits = ppo.scale_logits(ppo.policy_logits(model, qr, PAD, context_length)[0], 1.0, PAD)
     return ppo.logprobs_from_logits(logits, qr[:, context_length:].masked_fill(qr[:, context_length:] == PAD, 0))
 
 
@@ -82,15 +82,14 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
             ppo.enable_gradient_checkpointing(policy)
         model = ppo.PolicyAndValueWrapper(policy, value_head=head).train()  # PPO's training forwards: train mode
         qr = ppo.left_pad(QR, PAD)
-        fast = speed.FastPaths(ppo, True, {"policy": 1} if split else {})  # the fused head, as in training
         with torch.no_grad():
-            fast = fast.with_trunks({"policy": policy}, qr, PAD)
+            trunks = {"policy": (speed.frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs), 1)} if split else {}
         calls = []
         # count runs of the top block's MLP forward itself: module hooks do not fire in the recomputation
         mlp = ppo.transformer_blocks(policy)[1][1].mlp
         mlp.forward = lambda *a, forward=mlp.forward, **k: (calls.append(1), forward(*a, **k))[1]
         ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
-        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, fast)
+        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, trunks, fused_head=True)  # the fused head, as in training
         loss = logprobs.mean() + values.square().mean()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -114,11 +113,9 @@ def test_shared_value_head_reads_the_final_hidden_state_before_each_response_tok
     ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
     with torch.no_grad():
         values = ppo.value_forward(policy, qr, PAD, 2, head=head)
-        *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7,
-                                                                                          speed.FastPaths(ppo, True))
+        *with_logprobs, values_too = ppo.PolicyAndValueWrapper(policy, value_head=head)(qr, PAD, 2, ids, 0.7)
         torch.testing.assert_close(values_too, values, rtol=0, atol=0)  # one forward: the same values
-        for a, b in zip(with_logprobs, speed.FastPaths(ppo, True).response_logprobs(policy, qr, PAD, 2, ids, 0.7,
-                                                                             with_entropy=True)):
+        for a, b in zip(with_logprobs, ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)[:2]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # and the policy's own log-probs and entropies
         for row, tokens in enumerate(QR):
             hidden = policy.model(torch.tensor([tokens])).last_hidden_state[0]

@@ -7,9 +7,11 @@ import os
 import pathlib
 import re
 import shutil
+import types
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
 
 import ppo
@@ -304,7 +306,7 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     responses, logprobs = ppo.generate(policy, queries, PAD, sampling(6, 0.8), stop_token_id=None, generator=gen)
     assert responses.shape == logprobs.shape == (3, 6)
     with torch.no_grad():
-        logits = ppo.scale_logits(ppo.policy_logits(policy, torch.cat((queries, responses), 1), PAD, 4), 0.8, PAD)
+        logits = ppo.scale_logits(ppo.policy_logits(policy, torch.cat((queries, responses), 1), PAD, 4)[0], 0.8, PAD)
     torch.testing.assert_close(logprobs, ppo.logprobs_from_logits(logits, responses), atol=1e-5, rtol=0)
 
 
@@ -319,11 +321,18 @@ def shift_first_block(policy, where):
     return ppo.transformer_blocks(policy)[1][0].register_forward_hook(shift)
 
 
+def plain_prefill(policy, queries):
+    """Sampling's plain first forward, as `generate` runs it: (output, attention mask, last position ids)."""
+    inputs = ppo.model_inputs(queries, PAD)
+    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1]))
+    return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
+
+
 def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, monkeypatch):
-    """`prefill(share_prefix=True)` runs the tokens every row starts with once (one row), then each row's rest;
-    its next-token logits and positions are the plain prefill's, and so are the tokens sampled after it. A row that is
-    all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The start-up check
-    accepts it, and refuses a model whose one-row forwards differ or whose cache cannot repeat its rows."""
+    """`prefill_shared_prefix` runs the tokens every row starts with once (one row), then each row's rest; its
+    next-token logits and positions are the plain prefill's, and so are the tokens `generate` samples after it. A row
+    that is all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The
+    start-up check accepts it, and refuses a model whose one-row forwards differ or whose cache cannot repeat rows."""
     policy, _ = tiny
     cases = {((3, 4, 5, 6), (3, 4, 5, 8, 9), (3, 4, 5, 6, 7, 1)): 3, ((3, 4, 5), (3, 4, 5, 6)): 2,
              ((3, 4), (5, 4)): 0, ((3, 4, 5),): 0}  # rows -> the prefix run once
@@ -331,13 +340,14 @@ def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, m
         queries, shapes = ppo.left_pad([list(r) for r in rows], PAD), []
         hook = policy.get_input_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape[:2]))
         with torch.no_grad():
-            shared, full = speed.prefill(ppo, policy, queries, PAD, share_prefix=True), speed.prefill(ppo, policy, queries, PAD)
+            shared = speed.prefill_shared_prefix(policy, queries, PAD, ppo.model_inputs)
+            full = plain_prefill(policy, queries)
         hook.remove()
         assert tuple(shapes[0]) == ((1, n) if n else queries.shape)
         torch.testing.assert_close(shared[0].logits, full[0].logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(shared[2], full[2])
-        sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(6, 0.8), generator=torch.Generator().manual_seed(0),
-                                     share_prefix=share) for share in (True, False)]
+        sampled = [ppo.generate(policy, queries, PAD, sampling(6, 0.8), generator=torch.Generator().manual_seed(0),
+                                shortcuts=speed.Shortcuts(shared_prefix=share)) for share in (True, False)]
         assert torch.equal(sampled[0][0], sampled[1][0])
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=1e-5, atol=1e-5)
     queries = ppo.left_pad([[3, 4, 5, 6], [3, 4, 5, 8, 9]], PAD)
@@ -435,23 +445,24 @@ def test_freeze_bottom_layers_leaves_only_the_top_blocks_trainable(assets):
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
-    """Policy logits and values computed from the cached frozen blocks equal full forwards, left padding included."""
+    """Policy logits and values computed from the frozen blocks' output (`trunk=`) equal full forwards, left padding
+    included, also for a micro-batch's rows of it; the start-up check accepts the split on values and gradients."""
     paths = build_models(tmp_path, arch=arch)
     policy = AutoModelForCausalLM.from_pretrained(paths["sft"])
     value = AutoModelForSequenceClassification.from_pretrained(paths["rm"])
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
-    with torch.no_grad():
-        for model, name in ((policy, "policy_logits"), (value, "value_forward")):
-            assert speed.split_forward_is_exact(ppo, model, qr, PAD, 1)
-            fast = speed.FastPaths(ppo, num_frozen={"policy": 1, "value": 1}).with_trunks({"policy": model, "value": model},
-                                                                                   qr, PAD)
-            plain = getattr(ppo, name)
-            torch.testing.assert_close(getattr(fast, name)(model, qr, PAD, 2), plain(model, qr, PAD, 2), rtol=1e-5,
-                                       atol=1e-6)
-            rows = torch.tensor([2, 0])  # a micro-batch reads its rows of the cached trunk
-            torch.testing.assert_close(getattr(fast.rows(rows), name)(model, qr[rows], PAD, 2),
-                                       plain(model, qr[rows], PAD, 2), rtol=1e-5, atol=1e-6)
-        assert len(ppo.transformer_blocks(policy)[1]) == 2  # the blocks are restored after each split forward
+    for model, forward in ((policy, lambda *a, trunk=None: ppo.policy_logits(*a, trunk=trunk)[0]),
+                           (value, lambda *a, trunk=None: ppo.value_forward(*a, trunk=trunk))):
+        ppo.freeze_bottom_layers(model, 1)
+        assert speed.trunk_is_exact(ppo, model, qr, PAD, 1)
+        with torch.no_grad():
+            trunk = (speed.frozen_trunk(model, qr, PAD, 1, ppo.model_inputs), 1)
+            torch.testing.assert_close(forward(model, qr, PAD, 2, trunk=trunk), forward(model, qr, PAD, 2),
+                                       rtol=1e-5, atol=1e-6)
+            rows = torch.tensor([2, 0])  # a micro-batch reads its rows of the trunk
+            torch.testing.assert_close(forward(model, qr[rows], PAD, 2, trunk=(trunk[0][rows], 1)),
+                                       forward(model, qr[rows], PAD, 2), rtol=1e-5, atol=1e-6)
+        assert len(ppo.transformer_blocks(model)[1]) == 2  # the blocks are restored after each split forward
 
 
 def copy_of_script(edit: str):
@@ -471,45 +482,38 @@ def copy_of_script(edit: str):
     return copy
 
 
-def test_an_edited_forward_is_followed_or_switches_the_shortcuts_off(assets):
-    """The speed layer computes the script's forwards through its shortcuts. A copier's edited `value_forward` (here
-    doubled) is what the shortcuts call on the hidden states they hold, so it takes effect there too; an edited
-    `response_logprobs` no longer matches the fused head, so the start-up probe runs the plain path instead."""
+def test_an_edited_forward_is_followed_or_its_shortcut_refused_by_name(assets):
+    """The frozen trunk and the fused head are checked at start-up against the page's functions as a copier edited
+    them, on values and gradients. An edited `value_forward` (here doubled) is what the trunk path calls too, so it
+    is followed and the trunk kept; an edited `scale_logits` (a sharper temperature) is bypassed by the fused head,
+    and an edited `entropy_from_logits` whose values are the same but whose gradients are doubled too: the fused
+    head is refused by name, and the page's own lines run."""
     policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
-    head = ppo.new_value_head(32)
-    torch.nn.init.normal_(head.weight)
+    ppo.freeze_bottom_layers(policy, 1)
+    value = AutoModelForSequenceClassification.from_pretrained(assets["rm"])
+    ppo.freeze_bottom_layers(value, 1)
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10]], PAD)
-    edited = {name: copy_of_script(f"plain = {name}\n"
-                                   f"def {name}(*a, **k):\n"
-                                   f"    out = plain(*a, **k)\n"
-                                   f"    return tuple(2 * t for t in out) if isinstance(out, tuple) else 2 * out")
-              for name in ("value_forward", "response_logprobs")}
-    assert speed.paths_are_exact(speed.FastPaths(ppo, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
-    script = edited["value_forward"]
-    fast = speed.FastPaths(script, True, {"policy": 1})
-    assert speed.paths_are_exact(fast, policy, None, head, qr, PAD, 0.7)
+    doubled = copy_of_script("plain_value_forward = value_forward\n"
+                             "def value_forward(*a, **k): return 2 * plain_value_forward(*a, **k)")
+    assert speed.trunk_is_exact(doubled, value, qr, PAD, 1)
     with torch.no_grad():
-        torch.testing.assert_close(fast.with_trunks({"policy": policy}, qr, PAD).value_forward(policy, qr, PAD, 2, head),
-                                   2 * ppo.value_forward(policy, qr, PAD, 2, head))
-    script = edited["response_logprobs"]
-    assert not speed.paths_are_exact(speed.FastPaths(script, True, {"policy": 1}), policy, None, head, qr, PAD, 0.7)
-    # sampling: an edited `sample_next` is what the speed layer's loop draws with; an edited `generate` is not, so its
-    # probe finds the loop differ and the script's own sampling runs
-    args = sampling(6, 0.7)
-    assert speed.sampling_is_exact(ppo, policy, qr, PAD, args, None)
-    greedy = copy_of_script("plain_sample_next = sample_next\n"  # near-greedy: followed by the speed layer
-                            "def sample_next(logits, *a): return plain_sample_next(logits * 100, *a)")
-    fast = speed.fast_generate(greedy, policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
-    plain = greedy.generate(policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
-    drawn = ppo.generate(policy, qr, PAD, args, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(fast[0], plain[0]) and not torch.equal(plain[0], drawn[0])  # the edit took effect
-    assert speed.sampling_is_exact(greedy, policy, qr, PAD, args, None)
-    edited_generate = copy_of_script("plain_generate = generate\n"  # a lower temperature inside generate: not followed
-                                     "import types\n"
-                                     "def generate(policy, queries, pad, args, *a, **k):\n"
-                                     "    args = types.SimpleNamespace(**{**vars(args), 'temperature': 0.1})\n"
-                                     "    return plain_generate(policy, queries, pad, args, *a, **k)")
-    assert not speed.sampling_is_exact(edited_generate, policy, qr, PAD, args, None)
+        trunk = (speed.frozen_trunk(value, qr, PAD, 1, ppo.model_inputs), 1)
+        torch.testing.assert_close(doubled.value_forward(value, qr, PAD, 2, trunk=trunk),
+                                   2 * ppo.value_forward(value, qr, PAD, 2))
+    assert speed.fused_head_is_exact(ppo, policy, qr, PAD, 0.7)
+    sharper = copy_of_script("plain_scale_logits = scale_logits\n"
+                             "def scale_logits(logits, t, pad): return plain_scale_logits(logits, t / 2, pad)")
+    same_values = copy_of_script("plain_entropy = entropy_from_logits\n"  # values as before, gradients doubled
+                                 "def entropy_from_logits(logits):\n"
+                                 "    e = plain_entropy(logits)\n"
+                                 "    return 2 * e - e.detach()")
+    for script in (sharper, same_values):
+        assert not speed.fused_head_is_exact(script, policy, qr, PAD, 0.7)
+    setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
+                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+    args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, temperature=0.7)
+    checked = speed.check_forwards(same_values, args, setup, policy)
+    assert not checked.fused_head and checked.num_frozen == {"policy": 1} and "the fused LM head" in checked.notes
 
 
 @pytest.mark.parametrize("num_frozen", [1, 2])
@@ -525,8 +529,8 @@ def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
     with torch.no_grad():
-        trunk = (speed.frozen_trunk(ppo, model, qr, PAD, num_frozen), num_frozen)
-        torch.testing.assert_close(speed.trunk_hidden_states(ppo, model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
+        trunk = (speed.frozen_trunk(model, qr, PAD, num_frozen, ppo.model_inputs), num_frozen)
+        torch.testing.assert_close(ppo.final_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
                                    rtol=1e-5, atol=1e-6)
     assert len(model.config.layer_types) == 3  # restored
 
@@ -536,7 +540,19 @@ def test_split_forward_is_refused_where_it_is_not_exact():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=31, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
-    assert not speed.split_forward_is_exact(ppo, gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
+    ppo.freeze_bottom_layers(gpt2, 1)
+    assert not speed.trunk_is_exact(ppo, gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
+
+
+def kept_while_sampling(policy, queries, shortcuts, length=6, stop=7, chunk=2):
+    """(query-responses, the states kept while `generate` sampled them in chunks, one chunk stopping at `stop`)."""
+    with torch.no_grad(), speed.keep_states(policy, shortcuts) as pieces:
+        chunks = [ppo.generate(policy, queries[i:i + chunk], PAD, sampling(length, 0.7), stop if i else None,
+                               torch.Generator().manual_seed(i), False, shortcuts)[0]
+                  for i in range(0, queries.size(0), chunk)]
+    responses = ppo.pad_right(chunks, PAD)
+    qr = torch.cat((queries, ppo.truncate_response(stop, PAD, responses)), 1)
+    return qr, pieces, speed.kept_states(pieces, queries != PAD, [c.size(1) for c in chunks], qr.size(1))
 
 
 @pytest.mark.parametrize("share_prefix", [False, True])
@@ -544,45 +560,41 @@ def test_split_forward_is_refused_where_it_is_not_exact():
 def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_prefix):
     """The frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
     forward over two chunks of different widths, one stopping early, equal a full forward's at every real position,
-    also where each chunk's common prefix ran once (`prefill`); the values and log-probs read from them agree; the
-    probe accepts them, and refuses a cache that drifts."""
+    also where each chunk's common prefix ran once; the values and log-probs read from them agree; the start-up
+    check accepts them, and refuses a cache that drifts."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
     queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14], [3, 4, 16]], PAD)
-    fast = speed.FastPaths(ppo, num_frozen={"policy": 1}, from_sampling=("trunk", "final"), shared_prefix=share_prefix)
-    with torch.no_grad(), speed.kept_while_sampling(policy, fast) as pieces:
-        chunks = [speed.fast_generate(ppo, policy, queries[i:i + 2], PAD, sampling(n, 0.7), stop_token_id=stop, feed_last=True,
-                               generator=torch.Generator().manual_seed(i), share_prefix=share_prefix)[0]
-                  for i, n, stop in ((0, 6, None), (2, 6, 7))]  # the second stops at its 7s (or runs 6 tokens)
+    shortcuts = speed.Shortcuts(num_frozen={"policy": 1}, keep=("trunk", "final"), shared_prefix=share_prefix)
+    qr, pieces, kept = kept_while_sampling(policy, queries, shortcuts)
     assert [p.size(0) for p in pieces["trunk"]].count(1) == (2 if share_prefix else 0)  # the [3, 4] run once
-    responses = ppo.pad_right(chunks, PAD)
-    qr = torch.cat((queries, ppo.truncate_response(7, PAD, responses)), 1)
-    kept = fast.kept(pieces, queries != PAD, [c.size(1) for c in chunks], qr.size(1))
     real = qr != PAD
     with torch.no_grad():
-        torch.testing.assert_close(kept.trunks["policy"][real], speed.frozen_trunk(ppo, policy, qr, PAD, 1)[real],
-                                   rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(kept.final_hidden[real], ppo.final_hidden_states(policy, qr, PAD)[real],
+        full_trunk = speed.frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs)
+        torch.testing.assert_close(kept["trunk"][real], full_trunk[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kept["final"][real], ppo.final_hidden_states(policy, qr, PAD)[real],
                                    rtol=1e-5, atol=1e-5)
         head = torch.nn.Linear(32, 1)
-        torch.testing.assert_close(kept.value_forward(policy, qr, PAD, 5, head),
+        torch.testing.assert_close(ppo.value_forward(policy, qr, PAD, 5, head, kept["final"]),
                                    ppo.value_forward(policy, qr, PAD, 5, head), rtol=1e-5, atol=1e-5)
         ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
-        torch.testing.assert_close(kept.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0],
-                                   ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0], rtol=1e-5, atol=1e-5)
-    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(6, 0.7), 7) == (
-        "trunk", "final")
+        full = ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0]
+        torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, trunk=(kept["trunk"], 1))[0],
+                                   full, rtol=1e-5, atol=1e-5)
+    checks = lambda kept, full: [speed.kept_is_exact(ppo, policy, qr, PAD, 5, 0.7, kept, name, {"policy": 1}, full)  # noqa: E731
+                                 for name in ("trunk", "final")]
+    assert checks(kept, full) == [True, True]
     hook = shift_first_block(policy, lambda hidden: hidden.size(1) == 1)  # a drifting cache: decoding steps shifted
-    assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(6, 0.7), 7) == ()
+    qr, _, drifted = kept_while_sampling(policy, queries, shortcuts)
     hook.remove()
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: a KV cache drifts from a full forward over a rollout
-        assert speed.sampled_states_are_exact(policy, queries, PAD, fast, ("trunk", "final"), sampling(32, 0.7), None) != (
-            "trunk", "final")
+    with torch.no_grad():
+        full = ppo.response_logprobs(policy, qr, PAD, 5, qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0), 0.7)[0]
+    assert checks(drifted, full) == [False, False]
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_fused_head_matches_the_models_own_head(tmp_path, arch):
-    """The fused LM-head path (ppo.py's default) gives the log-probs, entropies and their gradients of the model's own
-    logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
+    """The fused LM-head path (ppo.py's default on the CPU) gives the log-probs, entropies and their gradients of the
+    model's own logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"])
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
     ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
@@ -590,7 +602,7 @@ def test_fused_head_matches_the_models_own_head(tmp_path, arch):
     results = []
     for fused in (True, False):
         policy.zero_grad()
-        lp, ent = speed.FastPaths(ppo, fused).response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True)
+        lp, ent, _ = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True, fused_head=fused)
         (lp.sum() - 0.3 * ent.sum()).backward()  # an entropy bonus trains on both paths (it once did on neither)
         results.append([lp.detach(), ent.detach()] + [p.grad.clone() for p in policy.parameters()])
     for a, b in zip(*results):
@@ -816,9 +828,10 @@ def test_default_run_shortened(tmp_path):
     assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in stdout
     assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
     assert AutoModelForCausalLM.from_pretrained(run).config.model_type == "llama"
-    # every fast path passes its start-up check on the default model (a refused fused head once went unseen)
-    assert ("fast paths: fused LM head on; frozen trunks: policy 24 blocks; kept while sampling: trunk, final"
-            in " ".join(stdout.split()))
+    # every shortcut passes its start-up check on the default model (a refused fused head once went unseen)
+    banner = " ".join(stdout.split())
+    assert "frozen trunks run once per update: policy 24 blocks; kept while sampling: trunk, final" in banner
+    assert "shortcuts: fused LM head on; shared prompt prefix on" in banner and "refused" not in banner
 
 
 @pytest.mark.parametrize("share_prefix, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
@@ -837,8 +850,8 @@ def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, a
     for i, (rows, stop) in enumerate(chunks):
         queries = ppo.left_pad(rows, PAD)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            sampled = [speed.fast_generate(ppo, policy, queries, PAD, sampling(12, 0.7), stop,
-                                           torch.Generator().manual_seed(i), share_prefix=share_prefix, static=s)
+            sampled = [ppo.generate(policy, queries, PAD, sampling(12, 0.7), stop, torch.Generator().manual_seed(i),
+                                    False, speed.Shortcuts(shared_prefix=share_prefix, static=s))
                        for s in (static, None)]
         assert torch.equal(sampled[0][0], sampled[1][0])  # bf16: its rounding differs (the cache's width) within 1e-2
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5 if precision == "fp32" else 1e-2)
@@ -860,32 +873,44 @@ class ForgetfulSampler(speed.StaticSampler):
         return step
 
 
+def static_probe(sampler, policy, queries, args, agree=bool):
+    """The static sampler's start-up check as `check_sampling` runs it: the tokens the dynamic cache sampled, fed
+    through the sampler, against a full forward's log-probs (the dynamic cache's own error beside them)."""
+    responses, logprobs = ppo.generate(policy, queries, PAD, args, None, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = ppo.response_logprobs(policy, torch.cat((queries, responses), 1), PAD, queries.size(1), responses,
+                                     args.temperature)[0]
+    return sampler.probe(ppo, policy, queries, PAD, args, responses, (logprobs - full).abs().max().item(), full,
+                         False, agree)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path, precision):
-    """The probe samples once, then feeds those tokens through the static sampler and the dynamic cache, each against
-    a full forward: accepted in float32 and under bf16 autocast (whose rounding sets the tolerance), refused for a
-    cache that lost the prefill, or when another process refused (`agree`); a sliding-window model is refused before
-    anything compiles. One cache width for chunks of every prompt width up to the run's widest."""
+    """The probe feeds the tokens sampling drew through the static sampler, against a full forward: accepted in
+    float32 and under bf16 autocast (whose rounding sets the tolerance), refused for a cache that lost the prefill,
+    or when another process refused (`agree`); a sliding-window model is refused before anything compiles. One cache
+    width for chunks of every prompt width up to the run's widest."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch="llama")["sft"]).eval()
     queries, args = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], PAD), sampling(8, 0.7)
-    probe = lambda sampler, **kw: sampler.probe(ppo, policy, queries, PAD, args, None, False, **kw)  # noqa: E731
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         static = speed.StaticSampler(4, bucket=8, compile=False, width=12)
-        accepted, note = probe(static)
+        accepted, note = static_probe(static, policy, queries, args)
         assert accepted and "on the same tokens" in note, note
         verdicts = []
-        refused, note = probe(speed.StaticSampler(4, bucket=8, compile=False), agree=lambda ok: verdicts.append(ok))
+        refused, note = static_probe(speed.StaticSampler(4, bucket=8, compile=False), policy, queries, args,
+                                     agree=lambda ok: verdicts.append(ok))
         assert not refused and verdicts == [True] and note.startswith("dynamic KV cache (refused")
-        assert not probe(ForgetfulSampler(4, bucket=8, compile=False))[0]
+        assert not static_probe(ForgetfulSampler(4, bucket=8, compile=False), policy, queries, args)[0]
         for rows in ([[3, 4]], [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]):  # 2 and 12 wide: the probe's cache
-            speed.fast_generate(ppo, policy, ppo.left_pad(rows, PAD), PAD, args, static=static)
+            ppo.generate(policy, ppo.left_pad(rows, PAD), PAD, args, shortcuts=speed.Shortcuts(static=static))
     assert [key[:2] for key, _ in static.compilations] == [(4, 16 + 8)]
     sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=41, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                            num_key_value_heads=1, intermediate_size=64, use_sliding_window=True,
                                            sliding_window=2, max_window_layers=1)).eval()
-    accepted, note = speed.StaticSampler(4, compile=False).probe(ppo, sliding, queries, PAD, args, None, False)
+    accepted, note = speed.StaticSampler(4, compile=False).probe(ppo, sliding, queries, PAD, args, None, 0.0, None,
+                                                                 False)
     assert not accepted and "sliding-window" in note
 
 
@@ -899,19 +924,6 @@ def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
     assert [r["update"] for r in rows] == [1, 2]
     assert all(r["policy/clipfrac_avg"] == 0 for r in rows)
     assert not (tmp_path / "run" / "model.safetensors").exists() and not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_the_script_runs_without_the_speed_module(assets, tmp_path):
-    """A copy of ppo.py beside a ppo_harness/ without speed.py (the optional module) runs, and trains exactly as
-    --no-fast-paths does."""
-    copy = tmp_path / "copy"
-    shutil.copytree(ROOT / "ppo_harness", copy / "ppo_harness", ignore=shutil.ignore_patterns("speed.py", "__pycache__"))
-    shutil.copy(ROOT / "ppo.py", copy / "ppo.py")
-    args = common(assets, "--reward-fn", REWARD_FN, "--eval-samples", "0", "--total-episodes", "16")
-    lean, lean_rows = run_ppo(args, tmp_path / "lean", script=str(copy / "ppo.py"))
-    plain, plain_rows = run_ppo(args + ["--no-fast-paths"], tmp_path / "plain")
-    assert "fast paths: off" in lean.stdout and "fast paths: off" in plain.stdout
-    assert_same_run(lean_rows, plain_rows, rel=0)
 
 
 def test_an_early_end_set_in_phase_7_scores_and_saves_as_the_last_update_does(assets, tmp_path):

@@ -38,11 +38,12 @@ def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forward
     plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script=SCRIPTS[kind])
     assert len(fast_rows) == 2 and all(math.isfinite(v) for r in fast_rows for v in r.values()
                                        if isinstance(v, float))
-    assert (tmp_path / "fast" / "model.safetensors").exists() and "fast paths: off (--no-fast-paths" in plain.stdout
+    assert (tmp_path / "fast" / "model.safetensors").exists() and "shortcuts: none (--no-fast-paths)" in plain.stdout
     assert_same_run(plain_rows, fast_rows, rel=1e-4)
     if SCRIPTS[kind] == "ppo.py":  # unedited, every shortcut passes its start-up probe and runs (a copy's may not)
-        assert "fused LM head on; frozen trunks: policy 1 blocks; kept while sampling: trunk, final" in " ".join(
-            fast.stdout.split())
+        banner = " ".join(fast.stdout.split())
+        assert "frozen trunks run once per update: policy 1 blocks; kept while sampling: trunk, final" in banner
+        assert "fused LM head on; shared prompt prefix" in banner and "refused" not in banner
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])

@@ -19,7 +19,8 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "evaluate": "TL;DR's validation: the references scored too, eval tables, SFD's metric names",
     "kl_penalty": "k1 and k3 only, the estimators --kl-estimator allows there",
     "load_models": "TL;DR's four models, no peft, value head or frozen blocks",
-    "reference_and_values": "the reference is always its own model, and no exact KL (k1 and k3 only)",
+    "ppo_loss": "no frozen trunks, and no entropy bonus (TL;DR's loss is SFD's)",
+    "reference_and_values": "the reference is always its own model, no frozen trunk, and no exact KL (k1 and k3 only)",
     "reward_model_scores": "minus the score bias (N+ detail 14: the reference summaries score 0 on average)",
     "score_responses": "one reward model, on the policy's token ids",
     "set_up": "TL;DR's data, one tokenizer, no rewards to resolve",
@@ -28,7 +29,8 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
 SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
     "PolicyAndValueWrapper": "no value head to take",
     "score_responses": "one reward model on the policy's token ids, not `Rewards` on the rollout's rows and step",
-    "value_forward": "no `head`: TL;DR has no --shared-value-head",
+    "value_forward": "no `head` (TL;DR has no --shared-value-head), no frozen trunk",
+    "reference_and_values": "no frozen trunks or kept states: TL;DR trains every block",
 }
 
 

@@ -574,8 +574,10 @@ def test_zero2_bf16_two_processes(tldr, tmp_path):
     """The shipped ZeRO-2 config in bf16 on 2 CPU processes: DeepSpeed holds fp32 master weights, the reference and
     reward model are cast to bf16 like the policy's working copy, so the first KL is 0 up to rounding. With
     --no-save-at-end, as a benchmark runs: the logs are written and no model is saved."""
-    _, rows = launch(tiny_args(tldr, "--total-episodes", "32", "--no-save-at-end"), tmp_path / "run",
-                     script="ppo_tldr.py", config="deepspeed_zero2.yaml", launch_flags=["--mixed_precision", "bf16"])
+    proc, rows = launch(tiny_args(tldr, "--total-episodes", "32", "--no-save-at-end", "--compile", "auto", "--tf32"),
+                        tmp_path / "run", script="ppo_tldr.py", config="deepspeed_zero2.yaml",
+                        launch_flags=["--mixed_precision", "bf16"])
+    assert "training step: eager (--compile auto)" in " ".join(proc.stdout.split())  # DeepSpeed: never compiled
     assert rows and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert abs(rows[0]["objective/kl"]) < 1e-3
     run = tmp_path / "run"
@@ -605,5 +607,5 @@ def test_the_speed_layer_trains_as_the_plain_forwards_do(tldr, tmp_path):
     plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script="ppo_tldr.py")
     banner = " ".join(fast.stdout.split())
     assert "fused LM head on" in banner and "sampler: static KV cache, uncompiled" in banner
-    assert "fast paths: off (--no-fast-paths" in plain.stdout
+    assert "shortcuts: none (--no-fast-paths)" in plain.stdout
     assert_same_run(plain_rows, fast_rows, rel=1e-4)
