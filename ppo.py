@@ -31,9 +31,9 @@ from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_we
                                 shard_frozen, transformer_blocks, unpeft)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
                                       load_prompt_dataset, repeated_prompts)
-from ppo_harness.rewards import (RewardComponents, RewardLogs, check_every_row_judged, check_reward_fns,
-                                 function_scores, held_out_metrics, load_reward_fn, reward_means, reward_names,
-                                 sample_rows, unjudged_rows)
+from ppo_harness.reward_calls import check_every_row_judged, check_reward_fns, function_scores, unjudged_rows
+from ppo_harness.reward_fns import load_reward_fn, reward_names
+from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import RunLog, print_banner
 
@@ -1402,7 +1402,7 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
     return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
 
 
-# ---- Scores: reward models here, reward functions through ppo_harness/rewards.py -------------------------------------
+# ---- Scores: reward models here, reward functions through ppo_harness/reward_calls.py --------------------------------
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
                     global_step: int = 0):
     """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
@@ -1423,7 +1423,7 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
                                                              not rewards.chat, queries.device)
                                           for i in range(0, len(texts), chunk)])
     logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
-    if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/rewards.py)
+    if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
         components.update(function_scores(rewards, rows, responses, global_step, logs))
     functions = rewards.names[len(rewards.model_paths):]
     if rewards.stop_unjudged:

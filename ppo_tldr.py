@@ -25,8 +25,9 @@ from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
                                 unpeft)
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
-from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models, write_atomic
+from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import RunLog, print_banner, print_rows
+from ppo_harness.writes import write_atomic
 
 try:  # the speed layer's shortcuts; without ppo_harness/speed.py the plain forwards run, as --no-fast-paths
     from ppo_harness.speed import SpeedLayer

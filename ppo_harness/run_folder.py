@@ -6,7 +6,6 @@ for plain transformers at the end. Every write goes through a temporary name and
 leaves each file whole."""
 import atexit
 import ctypes
-import errno
 import hashlib
 import json
 import os
@@ -16,13 +15,15 @@ import signal
 import socket
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from accelerate.utils import broadcast_object_list
+
+from ppo_harness.models import outside_zero_init
+from ppo_harness.writes import disk_space_named, write_atomic
 
 CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 VALUE_HEAD_FILE = "value_head.safetensors"  # a value head's weight and bias (see `load_value_head`)
@@ -442,8 +443,6 @@ def save_models(accelerator, model: nn.Module, args, base_model_path: str, outpu
         tokenizer.save_pretrained(output_dir)
         unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
         if getattr(args, "merge_adapter", False):
-            from ppo_harness.models import outside_zero_init
-
             with outside_zero_init(accelerator.state.deepspeed_plugin):
                 base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=args.dtype, **remote)
             adapter = args.model_adapter_name or "default"
@@ -475,30 +474,3 @@ def load_value_head(path: str | Path) -> nn.Linear:
     head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
     head.load_state_dict(state)
     return head
-
-
-# ---- Writing without half files --------------------------------------------------------------------------------------
-def temporary_name(path: Path) -> Path:
-    """A hidden name beside `path`, unique to this process among the machines sharing the disk."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = temporary_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def disk_space_named(folder: Path):
-    """A write that fails on a full disk says so and where (torch says only "unexpected pos")."""
-    try:
-        yield
-    except Exception as error:
-        usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
-        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
-        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
-                usage.free < min(2**24, usage.total // 20)):
-            raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
-                          f"there ({type(error).__name__}: {error}); free space and resume") from error
-        raise

@@ -2,6 +2,7 @@
 folder (claim, lock, resume check, checkpoints, logs), the run log, the flags' intervals and the prompt files."""
 import ast
 import dataclasses
+import graphlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from conftest import ROOT
-from ppo_harness import launch, prompt_files, run_folder, run_log
+from ppo_harness import launch, prompt_files, run_folder, run_log, writes
 
 HARNESS = sorted((ROOT / "ppo_harness").glob("*.py"))
 
@@ -29,6 +30,26 @@ def test_the_harness_imports_neither_script_and_holds_no_algorithm(path):
     assert not calls & {"backward", "step", "zero_grad", "clip_grad_norm_"}, f"{path.name} trains: {calls}"
     names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not names & {"policy_loss", "value_loss", "compute_gae", "compute_rewards"}
+
+
+def harness_imports(path: Path) -> set[str]:
+    """The ppo_harness modules a harness file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "ppo_harness":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ppo_harness."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("ppo_harness.")}
+    return found
+
+
+def test_the_harness_has_no_import_cycle():
+    """Each module reads alone, down an order: none imports one that imports it back (graphlib names a cycle)."""
+    graph = {path.stem: harness_imports(path) for path in HARNESS}
+    assert graph["run_folder"] and graph["reward_calls"]  # the reader sees imports (a broken reader finds none)
+    list(graphlib.TopologicalSorter(graph).static_order())
 
 
 @dataclasses.dataclass
@@ -138,10 +159,10 @@ def test_logs_keep_the_rows_before_a_resume_and_name_a_bad_line(tmp_path):
 
 def test_a_full_disk_is_named_with_the_folder(tmp_path):
     with pytest.raises(OSError, match=f"no space left on device: writing {tmp_path} failed"):
-        with run_folder.disk_space_named(tmp_path):
+        with writes.disk_space_named(tmp_path):
             raise OSError(28, "No space left on device")
     with pytest.raises(KeyError):  # another error passes through as it is
-        with run_folder.disk_space_named(tmp_path):
+        with writes.disk_space_named(tmp_path):
             raise KeyError("x")
 
 
@@ -239,10 +260,10 @@ def test_prompt_files_load_and_name_what_is_wrong(tmp_path):
 
 def test_writes_are_whole_or_absent(tmp_path):
     path = tmp_path / "f.json"
-    run_folder.write_atomic(path, "one")
-    run_folder.write_atomic(path, "two")
+    writes.write_atomic(path, "one")
+    writes.write_atomic(path, "two")
     assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
-    assert run_folder.temporary_name(path).parent == tmp_path and run_folder.temporary_name(path).name.startswith(".")
+    assert writes.temporary_name(path).parent == tmp_path and writes.temporary_name(path).name.startswith(".")
 
 
 def test_damage_to_latest_or_the_checksums_is_named_and_an_older_whole_checkpoint_taken(accelerator, tmp_path):
@@ -291,7 +312,7 @@ def _quiet():
 def test_numpy_scalars_and_bools_are_scores():
     import numpy as np
 
-    from ppo_harness.rewards import checked_scores
+    from ppo_harness.reward_calls import checked_scores
 
     scores = checked_scores([np.bool_(True), np.float32(0.5), True, None], {"completions": [0] * 4}, "cpu", "f")
     assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()

@@ -11,7 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import ROOT, TINY, free_port, launch, run_ppo
-from ppo_harness.rewards import RewardLogs, VerlComputeScore, call_reward_fn, load_reward_fn
+from ppo_harness.reward_calls import call_reward_fn
+from ppo_harness.reward_fns import load_reward_fn
+from ppo_harness.reward_logs import RewardLogs
+from ppo_harness.reward_stacks import VerlComputeScore
 from test_rewards import chat  # noqa: F401 (the chat policy and its prompts)
 
 

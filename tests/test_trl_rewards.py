@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
 import ppo
-from ppo_harness.rewards import RewardLogs, call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.reward_calls import call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.reward_logs import RewardLogs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 

@@ -1,0 +1,65 @@
+"""Served rewards: a reward function behind a URL, posted this script's keywords as JSON, or OpenRLHF's remote reward
+protocol; a failed request retried."""
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+
+
+class ServedReward:
+    """--reward-fn URL: an async reward function that POSTs a batch's keywords (a function's, `trainer_state` as a
+    dict) as one JSON object and reads back `{"rewards": [one number or null per row]}` or that list alone. A failed
+    request (no connection, a timeout, a 5xx) is retried, 1, 2, 4... s apart."""
+
+    def __init__(self, url: str, timeout: float, retries: int, backoff: float = 1.0):
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def post(self, body: bytes):
+        request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+            text = reply.read()
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError(f"{self.url} answered with no JSON: {text[:200]!r}") from None
+
+    async def send(self, body: dict, hint: str):
+        """The reply to one batch, retried; `hint` closes the error when every try failed (the other protocol)."""
+        data = json.dumps(body, default=str).encode()
+        for attempt in range(self.retries + 1):
+            try:
+                return await asyncio.to_thread(self.post, data)
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read()[:200]!r}"
+                if e.code < 500:  # the request itself is wrong: a retry gets the same answer
+                    break
+            except OSError as e:  # no connection, a reset, a timeout
+                error = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff * 2**attempt)
+        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}{hint}")
+
+    async def __call__(self, prompts, completions, completion_ids, trainer_state=None, log_extra=None,
+                       log_metric=None, **columns):
+        body = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                    trainer_state=asdict(trainer_state) if trainer_state else None)
+        reply = await self.send(body, ". An OpenRLHF reward server (it reads \"query\", \"prompts\" and \"labels\") "
+                                      "needs --reward-url-protocol openrlhf")
+        return reply.get("rewards") if isinstance(reply, dict) else reply
+
+    async def openrlhf(self, queries, prompts, labels):
+        """OpenRLHF's remote reward protocol (its --remote_rm_url): {"query", "prompts", "labels"} posted."""
+        reply = await self.send(dict(query=queries, prompts=prompts, labels=labels),
+                                " (posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")
+        if not (isinstance(reply, dict) and ("rewards" in reply or "scores" in reply)):
+            raise ValueError(f"{self.url} answered {str(reply)[:200]} with no \"rewards\" or \"scores\", as OpenRLHF's "
+                             "protocol reads them; a server of this script's keywords needs --reward-url-protocol "
+                             "keywords")
+        return reply
+
+
+def served(fn) -> bool:
+    """Whether a reward function is a server's (`ServedReward`, or OpenRLHF's protocol posted to one)."""
+    return isinstance(fn, ServedReward) or isinstance(getattr(getattr(fn, "fn", None), "__self__", None),
+                                                      ServedReward)
