@@ -886,9 +886,11 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
-    models = {"--sft-model-path": sft_model_path, "--value-model-path": value_model_path,
-              **{f"--reward-model-path {p}": p for p in reward_model_paths}}
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
+    reads = {"--sft-model-path": args.sft_model_path, "--sft-model-path's base": sft_model_path,
+             "--value-model-path": value_model_path, "--dataset-name": args.dataset_name,
+             **{f"--reward-model-path {p}": p for p in reward_model_paths},
+             **{f"--reward-fn {f}": f.rpartition(":")[0] for f in fn_specs if ".py:" in f}}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, reads)
     return accelerator, Setup(
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,

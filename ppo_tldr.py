@@ -657,9 +657,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
-    models = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
-              "--value-model-path": args.value_model_path}
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
+    reads = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
+             "--value-model-path": args.value_model_path, "--dataset-name": args.dataset_name,
+             "--eval-dataset-name": args.eval_dataset_name}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, reads)
     return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
                               tokenizer=tokenizer, stop_token_id=stop_token_id,
                               train_dataset=train_dataset, eval_rows=eval_rows)
