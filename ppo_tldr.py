@@ -408,7 +408,7 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
-    preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
+    preemption = Preemption(folder.checkpoints)  # SIGTERM, SIGINT: finish the update, checkpoint, stop
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
             "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,

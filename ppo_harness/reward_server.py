@@ -6,6 +6,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
+from ppo_harness.run_folder import stop_asked
+
 
 class ServedReward:
     """--reward-fn URL: an async reward function that POSTs a batch's keywords (a function's, `trainer_state` as a
@@ -25,20 +27,24 @@ class ServedReward:
             raise ValueError(f"{self.url} answered with no JSON: {text[:200]!r}") from None
 
     async def send(self, body: dict, hint: str):
-        """The reply to one batch, retried; `hint` closes the error when every try failed (the other protocol)."""
+        """The reply to one request, retried; `hint` closes the error when the server failed on the request (it may
+        read the other protocol), not when it never answered (a timeout, no connection)."""
         data = json.dumps(body, default=str).encode()
         for attempt in range(self.retries + 1):
             try:
                 return await asyncio.to_thread(self.post, data)
             except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code}: {e.read()[:200]!r}"
+                error, answered = f"HTTP {e.code}: {e.read()[:200]!r}", True
                 if e.code < 500:  # the request itself is wrong: a retry gets the same answer
                     break
-            except OSError as e:  # no connection, a reset, a timeout
-                error = f"{type(e).__name__}: {e}"
+            except OSError as e:  # no connection, a reset (the server failed on the request), a timeout
+                error, answered = f"{type(e).__name__}: {e}", isinstance(e, ConnectionResetError)
+            if stop := stop_asked():  # the scheduler's grace period is short: no retry
+                raise ConnectionError(f"{self.url} failed ({error}), not retried: {stop}")
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff * 2**attempt)
-        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}{hint}")
+        raise ConnectionError(f"{self.url} failed after {attempt + 1} tries, the last with {error}"
+                              f"{hint if answered else ''}")
 
     async def __call__(self, prompts, completions, completion_ids, trainer_state=None, log_extra=None,
                        log_metric=None, **columns):

@@ -347,8 +347,11 @@ class Preemption:
     progress finishes, its checkpoint is written, and the run exits with code 143. `requested` is asked once an
     update, on every process together, so all stop after the same update; a second SIGINT stops at once."""
 
-    def __init__(self):
-        self.signal = None
+    current = None  # the run's, for what waits on something else when a signal arrives (`stop_asked`)
+
+    def __init__(self, checkpoints: Path | None = None):
+        self.signal, self.checkpoints = None, checkpoints
+        Preemption.current = self
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
         if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":  # a process of accelerate launch
@@ -370,12 +373,30 @@ class Preemption:
         asked = torch.tensor(float(self.signal is not None), device=accelerator.device)
         return bool(accelerator.reduce(asked, "sum") > 0)
 
+    def newest(self) -> str:
+        """Which checkpoint a resume continues from, for a stop that cannot finish its update."""
+        latest = self.checkpoints / "latest" if self.checkpoints else None
+        name = latest.read_text().strip() if latest and latest.is_file() else ""
+        if not name:
+            return "no checkpoint is written yet: the same command starts the run again"
+        return f"the newest checkpoint is {self.checkpoints / name}: continue with the same command and --resume auto"
+
     def exit(self, console, update: int, checkpoint: Path) -> None:
         """The line a scheduler's log shows, then exit 143 (as a process SIGTERM ended): not finished."""
         name = signal.Signals(self.signal).name if self.signal else "a signal to another process"
         console.print(f"stopped by {name} after update {update}, checkpointed in {checkpoint}: continue with the "
                       "same command and --resume auto", highlight=False)
         raise SystemExit(143)
+
+
+def stop_asked() -> str | None:
+    """Once SIGTERM or SIGINT asked the run to stop: which, and what to do if the update in progress cannot finish
+    (a served reward not answering); else None."""
+    preemption = Preemption.current
+    if preemption is None or preemption.signal is None or signal.getsignal(signal.SIGTERM) != preemption.handle:
+        return None  # none asked, or a handler since set in its place (a test's)
+    return f"{signal.Signals(preemption.signal).name} asked the run to stop, so the update cannot finish; " + (
+        preemption.newest())
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
