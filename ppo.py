@@ -25,13 +25,14 @@ from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.launch import check_flags, gather_once, process_share, start
+from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start
 from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_weight_files, checkpoint_adapters,
                                 gathered_for_init, outside_zero_init, policy_for_generation, resolve_model_path,
                                 shard_frozen, transformer_blocks, unpeft)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
                                       load_prompt_dataset, repeated_prompts)
-from ppo_harness.reward_calls import check_every_row_judged, check_reward_fns, function_scores, unjudged_rows
+from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns,
+                                      check_some_row_judged, function_scores, unjudged_rows)
 from ppo_harness.reward_fns import load_reward_fn, reward_names
 from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
@@ -762,6 +763,7 @@ class Setup:
     train_dataset: Dataset
     eval_rows: Dataset | list  # this process's share of the held-out prompts
     eval_index: list[int]  # their places among all held-out prompts
+    eval_judged: list[bool]  # its own, which its judge sees (not a repeat of another's)
     rewards: Rewards
     notes: list[str] = field(default_factory=list)  # the banner's warnings
 
@@ -851,6 +853,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
     n = args.eval_samples  # the last n prompts are held out; each process evaluates its share (a judge sees each once)
     eval_index = process_share(n, accelerator, in_step=zero3)
+    eval_judged = own_share(n, accelerator, in_step=zero3)  # not the repeats (all sample as many)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
     repeated = repeated_prompts(dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column],
@@ -895,7 +898,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
-        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, rewards=rewards, notes=[
+        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index,
+        eval_judged=eval_judged, rewards=rewards, notes=[
             f"warning: {repeated} of the {n} held-out prompts also appear among the training prompts "
             f"(repeated rows in {args.dataset_name})"] * bool(repeated))
 
@@ -1406,9 +1410,11 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
 
 # ---- Scores: reward models here, reward functions through ppo_harness/reward_calls.py --------------------------------
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
-                    global_step: int = 0):
+                    global_step: int = 0, judged: list[bool] | None = None):
     """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
-    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`."""
+    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`.
+    `judged`: the held-out rows reward functions see (`function_scores`); None: a training batch,
+    which stops the run if no row is judged on any process (it would train on nothing)."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1426,11 +1432,13 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
                                           for i in range(0, len(texts), chunk)])
     logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
     if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
-        components.update(function_scores(rewards, rows, responses, global_step, logs))
+        components.update(function_scores(rewards, rows, responses, global_step, logs, judged))
     functions = rewards.names[len(rewards.model_paths):]
     if rewards.stop_unjudged:
-        check_every_row_judged(components, functions, prompts)
-    unjudged = unjudged_rows(components, functions)  # every function's None (never with a reward model)
+        check_every_row_judged(components, functions, prompts, judged=judged)
+    unjudged = unjudged_rows(components, functions, judged)  # each function's None
+    if judged is None:
+        check_some_row_judged(unjudged, functions, global_step + 1)
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
                for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
 
@@ -1515,7 +1523,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     with torch.no_grad(), accelerator.autocast():
         responses, logprobs = models.forwards.sample(accelerator, models.model, eval_queries, args, setup.zero3,
                                                      pad_token_id, setup.stop_token_id, generator)
-        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update)
+        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out,
+                                             update, setup.eval_judged)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
         ref_logprobs, _, full_kl_per_token = models.forwards.score(
             models, torch.cat((eval_queries, responses), 1), responses.masked_fill(responses == pad_token_id, 0),

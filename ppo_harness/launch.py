@@ -123,6 +123,14 @@ def process_share(n: int, accelerator, in_step: bool = False) -> list[int]:
     return [i % n for i in range(rank, last, world)] if n > 0 else []
 
 
+def own_share(n: int, accelerator, in_step: bool = False) -> list[bool]:
+    """Which items of this process's `process_share` are its own, not wrapped round from another process's: a judge
+    is sent only these, so it sees each item once."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    last = math.ceil(n / world) * world if in_step or n < world else n
+    return [i < n for i in range(rank, last, world)] if n > 0 else []
+
+
 def gather_once(index: list[int], rows: list) -> list:
     """Every process's rows, each once in `index` order: where a process's share wrapped round to rows another holds,
     the first process's is kept. Every process gets the same list."""

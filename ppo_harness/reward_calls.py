@@ -34,11 +34,24 @@ def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch
                 completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in responses], **columns)
 
 
-def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: int, logs: RewardLogs) -> dict:
+def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: int, logs: RewardLogs,
+                    judged: list[bool] | None = None) -> dict:
     """Each reward function's scores of `responses` to `rows` by name (on the responses' device), called with
     `reward_fn_kwargs` and TRL's trainer keywords, logging into `logs`. `rewards`: a script's record of them (`names`,
-    reward models first; `fn_specs`, `fns`, `model_paths`, `policy_tokenizer`, `prompt_column`, `max_steps`,
-    `updates_per_epoch`)."""
+    reward models first; `fn_specs`, `fns`, `model_paths`, `policy_tokenizer`, `prompt_column`, `chat`, `max_steps`,
+    `updates_per_epoch`). `judged`: the rows the functions see (a process's own held-out rows: not the ones its share
+    repeats so that every process samples as many, which another process's judge sees), the others' scores NaN."""
+    names = rewards.names[len(rewards.model_paths):]
+    if judged is not None and not all(judged):
+        keep = [i for i, own in enumerate(judged) if own]
+        scores = {name: torch.full((len(responses),), math.nan, device=responses.device) for name in names}
+        if keep:  # no call for no row
+            part = RewardLogs(len(keep), logs.taken)
+            for name, values in function_scores(rewards, {k: [v[i] for i in keep] for k, v in rows.items()},
+                                                responses[keep], global_step, part).items():
+                scores[name][keep] = values
+            logs.spread(part, keep)
+        return scores
     tokenizer = rewards.policy_tokenizer
     kwargs = reward_fn_kwargs(tokenizer, rows, rewards.prompt_column, responses)
     trainer = dict(trainer_state=trainer_state(global_step, rewards.max_steps, rewards.updates_per_epoch,
@@ -149,26 +162,60 @@ def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
     return scores
 
 
-def unjudged_rows(components: dict, functions: list[str]) -> torch.Tensor:
+def unjudged_rows(components: dict, functions: list[str], judged: list[bool] | None = None) -> torch.Tensor:
     """The rows no reward judged: every reward is a function, and each returned None (a reward model judges every row:
-    its NaN is no None)."""
+    its NaN is no None); of the rows the functions saw (`judged`, see `function_scores`)."""
     if functions and len(functions) == len(components):
-        return torch.stack([components[n].isnan() for n in functions]).all(0)
+        unjudged = torch.stack([components[n].isnan() for n in functions]).all(0)
+        return unjudged if judged is None else unjudged & torch.tensor(judged, device=unjudged.device)
     return torch.zeros_like(next(iter(components.values())), dtype=torch.bool)
 
 
-def check_every_row_judged(components: dict, functions: list[str], prompts: list, when: str = "") -> None:
+def check_every_row_judged(components: dict, functions: list[str], prompts: list, when: str = "",
+                           judged: list[bool] | None = None) -> None:
     """Refuse a batch with a row that no reward judged (--unjudged-rows stop)."""
-    unjudged = unjudged_rows(components, functions)
+    unjudged = unjudged_rows(components, functions, judged)
     if unjudged.any():
         prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
         raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each row needs a reward "
                          "that judges it (--unjudged-rows stop)")
 
 
+def check_some_row_judged(unjudged: torch.Tensor, names: list[str], update: int) -> None:
+    """Stop the run at an update where no reward judged any row on any process (each returned None for each): it
+    would train on nothing, and save the SFT model as the trained one."""
+    from accelerate.utils import reduce
+
+    counts = reduce(torch.stack([unjudged.sum(), torch.ones_like(unjudged).sum()]).float(), "sum")
+    if counts[0] == counts[1]:
+        raise ValueError(f"update {update}: no reward judged any of its {int(counts[1])} rows ({', '.join(names)} "
+                         "returned None for each), so it would train on nothing: make the function(s) return a "
+                         "number for the rows they can judge (None only for the others); no model is saved, the "
+                         "checkpoints written so far are kept")
+
+
 def check_reward_fns(rewards, rows: dict, queries: torch.Tensor, stop_unjudged: bool = False) -> None:
-    """Call each local reward function once, on `rows` with their rendered prompts standing in for completions, so a
-    broken one fails before any model loads; a served reward is not called (a paid judge would bill a fake row)."""
+    """Call each local reward function once per run (on the main process; the others raise its error), on `rows`
+    with their rendered prompts standing in for completions, so a broken one fails before any model loads; a served
+    reward is not called (a paid judge would bill a fake row)."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    error = None
+    if PartialState().is_main_process:
+        try:
+            try_local_fns(rewards, rows, queries, stop_unjudged)
+        except Exception as raised:
+            error = raised
+    kind, message = broadcast_object_list([(type(error).__name__, str(error)) if error else (None, None)])[0]
+    if error is not None:
+        raise error
+    if kind is not None:
+        raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+
+
+def try_local_fns(rewards, rows: dict, queries: torch.Tensor, stop_unjudged: bool) -> None:
+    """`check_reward_fns` on this process."""
     local = [(name, spec, fn) for name, spec, fn in zip(rewards.names[len(rewards.model_paths):], rewards.fn_specs,
                                                          rewards.fns) if not served(fn)]
     if local:

@@ -35,6 +35,15 @@ class RewardLogs:
             self.metrics.setdefault(str(name), []).append(float(value))
         return dict(log_extra=log_extra, log_metric=log_metric)
 
+    def spread(self, part: "RewardLogs", rows: list[int]) -> None:
+        """What functions logged on some of the rows (`part`, their `rows` here): a column None on the others."""
+        for column, values in part.columns.items():
+            self.columns[column] = [None] * self.rows
+            for i, value in zip(rows, values):
+                self.columns[column][i] = value
+        for name, values in part.metrics.items():
+            self.metrics.setdefault(name, []).extend(values)
+
 
 class RewardComponents(dict):
     """Each reward's scores by name (NaN: a function's None), what the functions logged (`RewardLogs`), and the rows

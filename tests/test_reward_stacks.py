@@ -122,7 +122,7 @@ class Counter(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Counter.seen.append((body["trainer_state"]["global_step"], body["row_id"]))
+        Counter.seen.extend((body["trainer_state"]["global_step"], i) for i in body["row_id"])
         data = json.dumps({"rewards": [0.0] * len(body["row_id"])}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -133,25 +133,39 @@ class Counter(BaseHTTPRequestHandler):
         pass
 
 
-def test_two_processes_send_a_judge_each_row_once_and_no_fake_row(assets, tmp_path):
-    """Training rows and held-out rows, on 2 processes: the served judge gets each once per scoring (none at
-    start-up), and log_metric's held-out value is the mean over the processes (0 and 1: 0.5)."""
+@pytest.mark.parametrize("config, held_out, process_mean", [("multi_cpu.yaml", 1, 0.0),
+                                                             ("deepspeed_zero3.yaml", 3, 0.5)])
+def test_two_processes_send_a_judge_each_row_once_and_no_fake_row(assets, tmp_path, monkeypatch, config, held_out,
+                                                                   process_mean):
+    """Training rows and held-out rows, on 2 processes: a served judge and a local function get each row once per
+    scoring, where a process's held-out share repeats another's row so both sample as many (1 held-out row; ZeRO-3's
+    3, stepping together); the start-up check calls the local function once, the served one never. log_metric's
+    held-out value is the mean over the processes that judged (0 and 1: 0.5). At c25d42a the repeated row was judged
+    twice and the start-up check ran on each process."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({**json.loads(line), "row_id": i}) + "\n"
                             for i, line in enumerate(assets["prompts"].read_text().splitlines())))
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("REWARD_CALLS", str(calls))
+    Counter.seen = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Counter)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         args = ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(data), "--reward-fn",
-                f"http://127.0.0.1:{server.server_address[1]}/score", "tests/rewards.py:process_index", *TINY,
-                "--eval-samples", "5", "--eval-every", "1", "--per-device-train-batch-size", "2"]
-        _, rows = launch(args, tmp_path / "run")
+                f"http://127.0.0.1:{server.server_address[1]}/score", "tests/rewards.py:process_index",
+                "tests/rewards.py:logs_its_rows", *TINY, "--eval-samples", str(held_out), "--eval-every", "1",
+                "--per-device-train-batch-size", "2"]
+        _, rows = launch(args, tmp_path / "run", config=config)
     finally:
         server.shutdown()
-    held_out = set(range(59, 64))
-    evaluations = [[i for step, ids in Counter.seen if step == s for i in ids if i in held_out] for s in (0, 1, 2)]
-    assert [sorted(e) for e in evaluations] == [sorted(held_out)] * 3  # each held-out row once per evaluation
-    training = [[i for step, ids in Counter.seen if step == s for i in ids if i not in held_out] for s in (0, 1)]
-    assert [len(t) for t in training] == [16, 16] and all(len(set(t)) == 16 for t in training)
-    assert all(r["eval/reward_fn/process"] == r["objective/reward_fn/process"] == 0.5 for r in rows)
-    assert lines(tmp_path / "run" / "metrics.jsonl")[0]["eval/reward_fn/process"] == 0.5
+    local = lines(calls)
+    assert len([c for c in local if c["start_up"]]) == 1  # once per run
+    held = set(range(64 - held_out, 64))
+    for seen in (Counter.seen, [(c["step"], i) for c in local if not c["start_up"] for i in c["rows"]]):
+        evaluations = [sorted(i for step, i in seen if step == s and i in held) for s in (0, 1, 2)]
+        assert evaluations == [sorted(held)] * 3  # each held-out row once per evaluation
+        training = [[i for step, i in seen if step == s and i not in held] for s in (0, 1)]
+        assert [len(t) for t in training] == [16, 16] and all(len(set(t)) == 16 for t in training)
+    assert all(r["objective/reward_fn/process"] == 0.5 for r in rows)
+    assert all(r["eval/reward_fn/process"] == process_mean for r in rows)
+    assert lines(tmp_path / "run" / "metrics.jsonl")[0]["eval/reward_fn/process"] == process_mean
