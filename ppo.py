@@ -35,6 +35,7 @@ from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns,
                                       check_some_row_judged, function_scores, unjudged_rows)
 from ppo_harness.reward_fns import load_reward_fn, reward_names
 from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
+from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import RunLog, print_banner
 
@@ -82,8 +83,12 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4... s apart"""
     reward_url_protocol: Literal["keywords", "openrlhf"] = "keywords"
     """a served reward's JSON: this script's keywords, or OpenRLHF's remote reward model's"""
-    label_key: str = "label"
-    """the column OpenRLHF's rewards (a server, `reward_func` in a file) get as `labels`"""
+    reward_url_rows_per_request: Annotated[int, "[1, inf)"] = 1
+    """OpenRLHF's protocol: rows per request, posted in parallel; 1, as OpenRLHF posts them
+    (more: fewer requests, but a server that pads a batch scores a row unlike alone)"""
+    label_key: str | None = None
+    """the column OpenRLHF's rewards (a server, a file's reward_func) get as `labels`
+    (None: `label`, or "" where there is none)"""
     unjudged_rows: Literal["skip", "stop"] = "skip"
     """a row every reward function returned None for: left out of the update (TRL), or stop the run"""
     reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
@@ -813,6 +818,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     source = f"--dataset-name {args.dataset_name}"
     dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
     check_prompt_rows(dataset, source, args.dataset_prompt_column)
+    check_label_key(args.label_key, dataset.column_names, source)
     if len(dataset) - args.eval_samples < sizes.batch_size // args.num_generations:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size // args.num_generations}")
@@ -866,7 +872,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, model_paths=reward_model_paths,
                       fns=[load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries,
-                                          args.reward_url_protocol, args.label_key) for spec in fn_specs],
+                                          args.reward_url_protocol, args.label_key,
+                                          args.reward_url_rows_per_request) for spec in fn_specs],
                       tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
                       chat=chat, prompt_column=args.dataset_prompt_column, chunk=args.local_rollout_forward_batch_size,
                       max_steps=sizes.num_updates,
@@ -919,6 +926,10 @@ def check_args(args: Args) -> None:
         raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
     if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.reward_url_rows_per_request != 1 and args.reward_url_protocol != "openrlhf":
+        raise ValueError("--reward-url-rows-per-request is OpenRLHF's protocol's: ours posts the "
+                         "whole batch (a function may score a row against its group); add "
+                         "--reward-url-protocol openrlhf, or drop it")
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")

@@ -16,6 +16,7 @@ import torch
 from ppo_harness.reward_fns import assistant_prefix, prompt_text
 from ppo_harness.reward_logs import RewardLogs
 from ppo_harness.reward_server import served
+from ppo_harness.reward_stacks import openrlhf_texts
 
 TRAINER_KEYWORDS = ("trainer_state", "log_extra", "log_metric")  # TRL's, beside the data's keywords
 
@@ -56,11 +57,8 @@ def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: i
     kwargs = reward_fn_kwargs(tokenizer, rows, rewards.prompt_column, responses)
     trainer = dict(trainer_state=trainer_state(global_step, rewards.max_steps, rewards.updates_per_epoch,
                                                len(responses)), **logs.keywords())
-    if any(getattr(fn, "rendered", False) for fn in rewards.fns):  # OpenRLHF's texts: rendered, special tokens kept
-        rendered = dict(rendered_prompts=[tokenizer.decode(ids) for ids in rows["input_ids"]], queries=[
-            tokenizer.decode(list(ids) + r[r != tokenizer.pad_token_id].tolist())
-            for ids, r in zip(rows["input_ids"], responses)])
-    names = rewards.names[len(rewards.model_paths):]
+    if any(getattr(fn, "rendered", False) for fn in rewards.fns):  # OpenRLHF's texts, as OpenRLHF makes them
+        rendered = openrlhf_texts(tokenizer, rows[rewards.prompt_column], rows["input_ids"], rewards.chat, responses)
     return dict(zip(names, call_reward_fns([
         (fn, {**kwargs, **trainer, **(rendered if getattr(fn, "rendered", False) else {})}, spec)
         for spec, fn in zip(rewards.fn_specs, rewards.fns)], responses.device)))

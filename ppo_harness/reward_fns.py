@@ -24,15 +24,15 @@ def reward_names(model_paths, fn_specs) -> list[str]:
 
 
 def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, url_protocol: str = "keywords",
-                   label_key: str = "label") -> Callable:
+                   label_key: str | None = None, rows_per_request: int = 1) -> Callable:
     """A built-in name (`vader`), `module:function` (importable), `path/to/file.py:function`, or a served reward's
-    URL (`url_protocol` "keywords": ours; "openrlhf": OpenRLHF's remote reward model). A function in OpenRLHF's
-    convention (`reward_func(queries, prompts, labels)`) or verl's (`compute_score(data_source, solution_str,
-    ground_truth, extra_info)`) is wrapped to be called as TRL calls a function."""
+    URL (`url_protocol` "keywords": ours; "openrlhf": OpenRLHF's remote reward model, `rows_per_request` rows a
+    request). A function in OpenRLHF's convention (`reward_func(queries, prompts, labels)`) or verl's
+    (`compute_score(data_source, solution_str, ground_truth, extra_info)`) is wrapped to be called as TRL calls one."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
     if spec.startswith(("http://", "https://")):
-        served = ServedReward(spec, url_timeout, url_retries)
+        served = ServedReward(spec, url_timeout, url_retries, rows_per_request=rows_per_request)
         return OpenRLHFReward(served.openrlhf, label_key, spec) if url_protocol == "openrlhf" else served
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:

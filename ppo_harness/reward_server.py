@@ -12,10 +12,12 @@ from ppo_harness.run_folder import stop_asked
 class ServedReward:
     """--reward-fn URL: an async reward function that POSTs a batch's keywords (a function's, `trainer_state` as a
     dict) as one JSON object and reads back `{"rewards": [one number or null per row]}` or that list alone. A failed
-    request (no connection, a timeout, a 5xx) is retried, 1, 2, 4... s apart."""
+    request (no connection, a timeout, a 5xx) is retried, 1, 2, 4... s apart, unless a signal asked the run to stop.
+    OpenRLHF's protocol posts `rows_per_request` rows a request, the requests in parallel."""
 
-    def __init__(self, url: str, timeout: float, retries: int, backoff: float = 1.0):
+    def __init__(self, url: str, timeout: float, retries: int, backoff: float = 1.0, rows_per_request: int = 1):
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.rows_per_request = rows_per_request
 
     def post(self, body: bytes):
         request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
@@ -55,14 +57,35 @@ class ServedReward:
         return reply.get("rewards") if isinstance(reply, dict) else reply
 
     async def openrlhf(self, queries, prompts, labels):
-        """OpenRLHF's remote reward protocol (its --remote_rm_url): {"query", "prompts", "labels"} posted."""
-        reply = await self.send(dict(query=queries, prompts=prompts, labels=labels),
-                                " (posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")
-        if not (isinstance(reply, dict) and ("rewards" in reply or "scores" in reply)):
-            raise ValueError(f"{self.url} answered {str(reply)[:200]} with no \"rewards\" or \"scores\", as OpenRLHF's "
-                             "protocol reads them; a server of this script's keywords needs --reward-url-protocol "
-                             "keywords")
-        return reply
+        """OpenRLHF's remote reward protocol (its --remote_rm_url): {"query", "prompts", "labels"} posted, as OpenRLHF
+        posts them, `rows_per_request` rows a request, the requests in parallel; the replies joined in order."""
+        k = self.rows_per_request
+        replies = await asyncio.gather(*[self.send(dict(query=queries[i:i + k], prompts=prompts[i:i + k],
+                                                        labels=labels[i:i + k]),
+                                                   " (posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")
+                                         for i in range(0, len(queries), k)], return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+            if not (isinstance(reply, dict) and ("rewards" in reply or "scores" in reply)):
+                raise ValueError(f"{self.url} answered {str(reply)[:200]} with no \"rewards\" or \"scores\", as "
+                                 "OpenRLHF's protocol reads them; a server of this script's keywords needs "
+                                 "--reward-url-protocol keywords")
+        return joined(replies)
+
+
+def joined(replies: list[dict]) -> dict:
+    """OpenRLHF's replies to consecutive rows as one: their `rewards` (else `scores`) and `extra_logs`, in order (a
+    value that is no list counts for its request)."""
+    def values(value) -> list:
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    logs = {}
+    for reply in replies:
+        for name, logged in (reply.get("extra_logs") or {}).items():
+            logs.setdefault(name, []).extend(values(logged))
+    return {"rewards": [v for r in replies for v in values(r["rewards"] if "rewards" in r else r["scores"])],
+            "extra_logs": logs}
 
 
 def served(fn) -> bool:

@@ -1,20 +1,25 @@
 """Rewards from the other stacks, unchanged: OpenRLHF's reward server (its own handler, tests/openrlhf_58ec6ff) and its
 `reward_func(queries, prompts, labels)` files, verl's data layout and `compute_score` (its GSM8K scorer,
 tests/verl_945104d), and one judge call per row on two processes, none at start-up."""
+import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from conftest import ROOT, TINY, free_port, launch, run_ppo
-from ppo_harness.reward_calls import call_reward_fn
+import ppo
+from conftest import ROOT, TINY, free_port, launch, make_tokenizer, run_ppo
+from ppo_harness.reward_calls import call_reward_fn, function_scores
 from ppo_harness.reward_fns import load_reward_fn
 from ppo_harness.reward_logs import RewardLogs
-from ppo_harness.reward_stacks import VerlComputeScore
+from ppo_harness.reward_stacks import OpenRLHFReward, VerlComputeScore
 from test_rewards import chat  # noqa: F401 (the chat policy and its prompts)
 
 
@@ -78,6 +83,82 @@ def test_an_openrlhf_reward_func_file_runs_as_it_is(assets, tmp_path, fn):
         assert sample["score"] == float("w7" in sample["model response"].split())
     if fn == "reward_func_with_logs":
         assert all("objective/reward_fn/query_words" in r and "eval/reward_fn/query_words" in r for r in rows)
+
+
+def bos_tokenizer():
+    """The tiny word-level tokenizer, adding a BOS (`<unk>`, id 30) before each text, as Llama's adds <s>; [PAD] 31."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = make_tokenizer(pad=False)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", 30)])
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+@pytest.mark.parametrize("rows_per_request, scores", [(1, [5.0, 2.0]), (2, [5.0, 2.003])])
+def test_openrlhfs_protocol_sends_what_openrlhf_sends(openrlhf_server, rows_per_request, scores):
+    """OpenRLHF's own handler (tests/openrlhf_58ec6ff) scores each query by its tokens: the prompt as OpenRLHF
+    tokenises it, without the BOS the policy's tokenizer adds, then the response (its eos kept). One row per request
+    by default, as OpenRLHF posts them: the server pads nothing; two, it pads the shorter row (0.001 a token here, as
+    bf16 would). At c25d42a the BOS was sent (6 and 3) and the batch posted whole (padded)."""
+    tokenizer = bos_tokenizer()
+    prompts = ["w1 w2", "w3"]
+    rows = {"prompt": prompts, "input_ids": tokenizer(prompts)["input_ids"]}
+    assert rows["input_ids"][1] == [30, 4]  # the policy reads the BOS
+    responses = torch.tensor([[5, 6, 0], [7, 31, 31]])  # "w4 w5 <eos>", "w6" then padding
+    fn = load_reward_fn(openrlhf_server, 10.0, 0, "openrlhf", None, rows_per_request)
+    record = SimpleNamespace(names=["remote"], model_paths=[], fn_specs=[openrlhf_server], fns=[fn],
+                             policy_tokenizer=tokenizer, prompt_column="prompt", chat=False, max_steps=1,
+                             updates_per_epoch=1)
+    logs = RewardLogs(2)
+    assert function_scores(record, rows, responses, 0, logs)["remote"].tolist() == pytest.approx(scores)
+    assert logs.metrics["dummy_scores"] == [pytest.approx(sum(scores) / 2)]  # extra_logs joined over the requests
+
+
+def test_openrlhfs_labels_are_the_named_column_or_empty(assets, tmp_path):
+    """`labels`: --label-key's column; without the flag the `label` column, else "" as OpenRLHF sends (c25d42a:
+    None). A --label-key naming no column is refused at start-up, naming the columns (c25d42a: None for every row)."""
+    got = []
+
+    def reward_func(queries, prompts, labels):
+        got.append(labels)
+        return [0.0] * len(queries)
+    kwargs = dict(queries=["a w7", "b"], rendered_prompts=["a", "b"], prompts=["a", "b"], completions=["w7", ""],
+                  completion_ids=[[8], []], answer=["x", "y"], **RewardLogs(2).keywords())
+    for label_key, extra, labels in [("answer", {}, ["x", "y"]), (None, {}, ["", ""]),
+                                     (None, {"label": ["p", "q"]}, ["p", "q"])]:
+        call_reward_fn(OpenRLHFReward(reward_func, label_key, "f"), {**kwargs, **extra}, "cpu", "f")
+        assert got[-1] == labels
+    args = ppo.Args(sft_model_path=str(assets["sft"]), reward_fn=("tests/rewards.py:reward_func",),
+                    dataset_name=str(assets["prompts"]), label_key="answer", output_dir=str(tmp_path / "run"),
+                    num_trainable_layers=None)
+    with pytest.raises(ValueError, match=re.escape(f"--label-key 'answer' is not a column of --dataset-name "
+                                                   f"{assets['prompts']} (columns: ['prompt'])")):
+        ppo.main(args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_verls_extra_info_carries_verls_keys_and_async_scorers_are_awaited():
+    """compute_score gets `extra_info` as verl's reward loop passes it: the row's ({} where the data has none; c25d42a:
+    None) with `num_turns` and `rollout_reward_scores` added; an `async def` one is awaited (c25d42a: refused)."""
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        seen.append(extra_info)
+        return float(ground_truth in solution_str)
+
+    async def async_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        await asyncio.sleep(0)
+        return {"score": float(ground_truth in solution_str), "turns": extra_info["num_turns"]}
+    rows = dict(completions=["w7", "w8"], prompts=["a", "b"], data_source=["d", "d"],
+                reward_model=[{"ground_truth": "w7"}] * 2, **RewardLogs(2).keywords())
+    added = {"num_turns": 2, "rollout_reward_scores": {}}
+    assert call_reward_fn(VerlComputeScore(compute_score, "f"), rows, "cpu", "f").tolist() == [1.0, 0.0]
+    call_reward_fn(VerlComputeScore(compute_score, "f"), {**rows, "extra_info": [{"index": 0}, None]}, "cpu", "f")
+    assert seen == [added, added, {"index": 0, **added}, added]
+    logs = RewardLogs(2)
+    scores = call_reward_fn(VerlComputeScore(async_compute_score, "g"), {**rows, **logs.keywords()}, "cpu", "g")
+    assert scores.tolist() == [1.0, 0.0] and logs.columns["turns"] == [2, 2]
 
 
 def verl_rows(n: int) -> list[dict]:
