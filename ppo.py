@@ -25,15 +25,17 @@ from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.launch import check_flags, gather_once, process_share, start
+from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start
 from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_weight_files, checkpoint_adapters,
                                 gathered_for_init, outside_zero_init, policy_for_generation, resolve_model_path,
                                 shard_frozen, transformer_blocks, unpeft)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
                                       load_prompt_dataset, repeated_prompts)
-from ppo_harness.rewards import (RewardComponents, RewardLogs, check_every_row_judged, check_reward_fns,
-                                 function_scores, held_out_metrics, load_reward_fn, reward_means, reward_names,
-                                 sample_rows, unjudged_rows)
+from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns,
+                                      check_some_row_judged, function_scores, unjudged_rows)
+from ppo_harness.reward_fns import load_reward_fn, reward_names
+from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
+from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import FiniteLosses, RunLog, print_banner
 from ppo_harness.speed import (CompileWatch, HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
@@ -77,8 +79,12 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4... s apart"""
     reward_url_protocol: Literal["keywords", "openrlhf"] = "keywords"
     """a served reward's JSON: this script's keywords, or OpenRLHF's remote reward model's"""
-    label_key: str = "label"
-    """the column OpenRLHF's rewards (a server, `reward_func` in a file) get as `labels`"""
+    reward_url_rows_per_request: Annotated[int, "[1, inf)"] = 1
+    """OpenRLHF's protocol: rows per request, posted in parallel; 1, as OpenRLHF posts them
+    (more: fewer requests, but a server that pads a batch scores a row unlike alone)"""
+    label_key: str | None = None
+    """the column OpenRLHF's rewards (a server, a file's reward_func) get as `labels`
+    (None: `label`, or "" where there is none)"""
     unjudged_rows: Literal["skip", "stop"] = "skip"
     """a row every reward function returned None for: left out of the update (TRL), or stop the run"""
     reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
@@ -507,7 +513,7 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
-    preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
+    preemption = Preemption(folder.checkpoints)  # SIGTERM, SIGINT: finish the update, checkpoint, stop
     compile_watch = CompileWatch()
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
@@ -789,6 +795,7 @@ class Setup:
     train_dataset: Dataset
     eval_rows: Dataset | list  # this process's share of the held-out prompts
     eval_index: list[int]  # their places among all held-out prompts
+    eval_judged: list[bool]  # its own, which its judge sees (not a repeat of another's)
     rewards: Rewards
     compiled: bool = False  # --compile: the training step and the sampler through torch.compile
     query_width: int | None = None  # compiled: every update's queries padded to the widest prompt (one compilation)
@@ -843,6 +850,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     source = f"--dataset-name {args.dataset_name}"
     dataset = load_prompt_dataset(args.dataset_name, args.dataset_config, args.dataset_train_split)
     check_prompt_rows(dataset, source, args.dataset_prompt_column)
+    check_label_key(args.label_key, dataset.column_names, source)
     if len(dataset) - args.eval_samples < sizes.batch_size // args.num_generations:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} prompts: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size // args.num_generations}")
@@ -884,6 +892,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     query_width = max(len(ids) for ids in dataset["input_ids"]) if compiled else None
     n = args.eval_samples  # the last n prompts are held out; each process evaluates its share (a judge sees each once)
     eval_index = process_share(n, accelerator, in_step=zero3)
+    eval_judged = own_share(n, accelerator, in_step=zero3)  # not the repeats (all sample as many)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
     repeated = repeated_prompts(dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column],
@@ -896,7 +905,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
     rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, model_paths=reward_model_paths,
                       fns=[load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries,
-                                          args.reward_url_protocol, args.label_key) for spec in fn_specs],
+                                          args.reward_url_protocol, args.label_key,
+                                          args.reward_url_rows_per_request) for spec in fn_specs],
                       tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
                       chat=chat, prompt_column=args.dataset_prompt_column, chunk=args.local_rollout_forward_batch_size,
                       max_steps=sizes.num_updates,
@@ -919,15 +929,17 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
-    models = {"--sft-model-path": sft_model_path, "--value-model-path": value_model_path,
-              **{f"--reward-model-path {p}": p for p in reward_model_paths}}
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
+    reads = {"--sft-model-path": args.sft_model_path, "--sft-model-path's base": sft_model_path,
+             "--value-model-path": value_model_path, "--dataset-name": args.dataset_name,
+             **{f"--reward-model-path {p}": p for p in reward_model_paths},
+             **{f"--reward-fn {f}": f.rpartition(":")[0] for f in fn_specs if ".py:" in f}}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, reads)
     return accelerator, Setup(
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
-        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, rewards=rewards, compiled=compiled,
-        query_width=query_width, notes=[
+        train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, eval_judged=eval_judged,
+        rewards=rewards, compiled=compiled, query_width=query_width, notes=[
             f"warning: {repeated} of the {n} held-out prompts also appear among the training prompts "
             f"(repeated rows in {args.dataset_name})"] * bool(repeated))
 
@@ -947,6 +959,10 @@ def check_args(args: Args) -> None:
         raise ValueError("--kl-target steers --kl-coef by a factor per update, so it cannot start at 0: give --kl-coef")
     if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
+    if args.reward_url_rows_per_request != 1 and args.reward_url_protocol != "openrlhf":
+        raise ValueError("--reward-url-rows-per-request is OpenRLHF's protocol's: ours posts the "
+                         "whole batch (a function may score a row against its group); add "
+                         "--reward-url-protocol openrlhf, or drop it")
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
@@ -1481,11 +1497,13 @@ class PolicyAndValueWrapper(nn.Module):
                                                 trunk=trunks.get("value"))
 
 
-# ---- Scores: reward models here, reward functions through ppo_harness/rewards.py -------------------------------------
+# ---- Scores: reward models here, reward functions through ppo_harness/reward_calls.py --------------------------------
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
-                    global_step: int = 0):
+                    global_step: int = 0, judged: list[bool] | None = None):
     """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
-    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`."""
+    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`.
+    `judged`: the held-out rows reward functions see (`function_scores`); None: a training batch,
+    which stops the run if no row is judged on any process (it would train on nothing)."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1502,12 +1520,14 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
                                                              not rewards.chat, queries.device)
                                           for i in range(0, len(texts), chunk)])
     logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
-    if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/rewards.py)
-        components.update(function_scores(rewards, rows, responses, global_step, logs))
+    if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
+        components.update(function_scores(rewards, rows, responses, global_step, logs, judged))
     functions = rewards.names[len(rewards.model_paths):]
     if rewards.stop_unjudged:
-        check_every_row_judged(components, functions, prompts)
-    unjudged = unjudged_rows(components, functions)  # every function's None (never with a reward model)
+        check_every_row_judged(components, functions, prompts, judged=judged)
+    unjudged = unjudged_rows(components, functions, judged)  # each function's None
+    if judged is None:
+        check_some_row_judged(unjudged, functions, global_step + 1)
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
                for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
 
@@ -1587,7 +1607,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     with torch.no_grad(), accelerator.autocast():
         responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
                                                      pad_token_id, setup.stop_token_id, models.shortcuts, generator)
-        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update)
+        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
+                                             setup.eval_judged)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
         query_responses = torch.cat((eval_queries, responses), 1)
         trunks = frozen_trunks(models, query_responses, pad_token_id, kept, models.shortcuts, args, with_value=False)

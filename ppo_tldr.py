@@ -26,11 +26,12 @@ from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
                                 unpeft)
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
-from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models, write_atomic
+from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
 from ppo_harness.run_log import FiniteLosses, RunLog, print_banner, print_rows
 from ppo_harness.speed import (CompileWatch, HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
                                head_logprobs, keep_states, kept_states, on_device, prefill_shared_prefix,
                                ready_to_compile, should_compile)
+from ppo_harness.writes import write_atomic
 
 INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"  # N+ detail 1
@@ -412,7 +413,7 @@ def main(args: Args) -> None:
         if accelerator.is_main_process:
             console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
     run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
-    preemption = Preemption()  # SIGTERM, SIGINT: this update finishes, is checkpointed, and the run stops
+    preemption = Preemption(folder.checkpoints)  # SIGTERM, SIGINT: finish the update, checkpoint, stop
     compile_watch = CompileWatch()
     if accelerator.is_main_process:
         print_banner(console, folder.run_name, args, sizes, {
@@ -681,9 +682,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes)
-    models = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
-              "--value-model-path": args.value_model_path}
-    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, models)
+    reads = {"--sft-model-path": args.sft_model_path, "--reward-model-path": args.reward_model_path,
+             "--value-model-path": args.value_model_path, "--dataset-name": args.dataset_name,
+             "--eval-dataset-name": args.eval_dataset_name}
+    folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, reads)
     query_width = max(len(ids) for ids in train_dataset["input_ids"]) if compiled else None
     return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
                               tokenizer=tokenizer, stop_token_id=stop_token_id,

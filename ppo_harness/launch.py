@@ -4,7 +4,7 @@ import hashlib
 import math
 import os
 import types
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from datetime import timedelta
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
@@ -40,12 +40,13 @@ def flag_choices(args_class) -> dict[str, tuple]:
 
 def check_flags(args) -> None:
     """Refuse a numeric flag outside its interval, a value no Literal flag offers, a --resume-with-changes that names
-    no flag, or --resume auto without the folder to look in, by name."""
+    no flag, --resume auto without the folder to look in, and a flag that cannot act, by name."""
     if args.resume == "auto" and not args.output_dir:
         raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
     unknown = {name.lstrip("-").replace("-", "_") for name in args.resume_with_changes} - set(asdict(args))
     if unknown:
         raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
+    check_flags_act(args)
     for name, choices in flag_choices(type(args)).items():
         if getattr(args, name) not in choices:
             raise ValueError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}: choose one of {choices}")
@@ -54,6 +55,21 @@ def check_flags(args) -> None:
         for v in value if isinstance(value, tuple) else (value,):
             if v is not None and not in_interval(v, interval):
                 raise ValueError(f"--{name.replace('_', '-')} {v} is out of range: it must lie in {interval}")
+
+
+def check_flags_act(args) -> None:
+    """Refuse a flag given where it cannot act (it would be ignored without a word)."""
+    if args.resume_with_changes and not args.resume:
+        raise ValueError(f"--resume-with-changes {' '.join(args.resume_with_changes)}: no --resume, so no flags are "
+                         "compared; add --resume auto (or a checkpoint) to continue a run with them changed, or drop "
+                         "it to start a new run")
+    if args.overwrite and args.resume == "auto":
+        raise ValueError("--overwrite deletes the run in --output-dir, which --resume auto continues: drop "
+                         "--overwrite to continue it, or --resume to start a new run there")
+    default = next((f.default for f in fields(args) if f.name == "eval_every"), None)
+    if getattr(args, "eval_samples", None) == 0 and args.eval_every not in (0, default):  # the default: not given
+        raise ValueError(f"--eval-every {args.eval_every}: --eval-samples 0 holds no prompts out to evaluate; hold "
+                         "some out with --eval-samples, or drop --eval-every")
 
 
 def start(args) -> tuple[Accelerator, bool]:
@@ -105,6 +121,14 @@ def process_share(n: int, accelerator, in_step: bool = False) -> list[int]:
     rank, world = accelerator.process_index, accelerator.num_processes
     last = math.ceil(n / world) * world if in_step or n < world else n
     return [i % n for i in range(rank, last, world)] if n > 0 else []
+
+
+def own_share(n: int, accelerator, in_step: bool = False) -> list[bool]:
+    """Which items of this process's `process_share` are its own, not wrapped round from another process's: a judge
+    is sent only these, so it sees each item once."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    last = math.ceil(n / world) * world if in_step or n < world else n
+    return [i < n for i in range(rank, last, world)] if n > 0 else []
 
 
 def gather_once(index: list[int], rows: list) -> list:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ppo_harness.run_folder import temporary_name
+from ppo_harness.writes import temporary_name
 
 
 def check_sft_adapters(args, sft_adapters: dict[str, Path]) -> None:

@@ -5,8 +5,8 @@ a resume loads them, a checkpoint on SIGTERM (`Preemption`), the logs trimmed to
 for plain transformers at the end. Every write goes through a temporary name and a rename, so a run killed at any moment
 leaves each file whole."""
 import atexit
+import contextlib
 import ctypes
-import errno
 import hashlib
 import json
 import os
@@ -15,14 +15,16 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from accelerate.utils import broadcast_object_list
+
+from ppo_harness.writes import disk_space_named, write_atomic
 
 CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
 VALUE_HEAD_FILE = "value_head.safetensors"  # a value head's weight and bias (see `load_value_head`)
@@ -53,82 +55,149 @@ class RunFolder:
                              for name, (then, now) in self.changes.items()]
 
 
-def claim(accelerator, args, run_state: dict, may_change: set[str], models: dict | None = None) -> RunFolder:
+def claim(accelerator, args, run_state: dict, may_change: set[str], reads: dict | None = None) -> RunFolder:
     """The run's folder, checked and taken in one place, after every other check of the set-up (a refused run writes
-    nothing): the checkpoint --resume names, verified; the folder a folder (not a file, nor a model's, nor one holding
-    files no run wrote: `models` maps a flag to its model's path); its `run_state` (the batch arithmetic, the data's
-    size, the processes: what the data order and random streams follow) the same as this run's; no live lock; a new
-    run into another run's folder refused (--overwrite: the old run moved aside whole, then deleted); a resume's flags
-    compared with those the checkpoint was trained with (`resume_changes`: `may_change` and --resume-with-changes may
-    differ); resuming an older checkpoint moves the later ones aside (`branch_at`); the checkpoint of the run's end
-    (`finished`) exits at once, code 0. The main process decides for all."""
-    checkpoint, notes = find_checkpoint(args.resume, Path(args.output_dir) if args.output_dir else None) if (
-        args.resume) else (None, [])
+    nothing): the folder a folder (not a file, nor a model's, nor one holding files no run wrote: `reads` maps a flag
+    to a path the run reads); no live lock, then the lock taken before a checkpoint is chosen (a run ending meanwhile
+    cannot change them); the checkpoint --resume names, verified; its `run_state` (the batch arithmetic, the data's
+    size, the processes: what the data order and random streams follow) the same as this run's; a new run into another
+    run's folder refused (--overwrite: the old run moved aside whole, then deleted, unless it holds what this run
+    reads); a resume's flags compared with those the checkpoint was trained with (`resume_changes`: `may_change` and
+    --resume-with-changes may differ); resuming an older checkpoint moves the later ones aside (`branch_at`); the
+    checkpoint of the run's end (`finished`) exits at once, code 0. The main process decides for all; a refusal
+    releases the lock."""
+    release_on_signal()
     time_int = int(time.time())
     if accelerator.num_processes > 1:  # the same run name on every rank
         time_int = int(accelerator.gather(torch.tensor([time_int], device=accelerator.device))[0])
     run_name = f"{args.exp_name}__{args.seed}__{time_int}"
-    # a resumed run keeps its folder: runs/<run>/checkpoints/update-NNNNNN
-    output_dir = Path(args.output_dir or (checkpoint.parent.parent if checkpoint else f"runs/{run_name}"))
-    saved = json.loads((checkpoint / "trainer_state.json").read_text()) if checkpoint is not None else None
+    if args.resume and args.resume != "auto":
+        checkpoint_dir(args.resume)  # a path that is no checkpoint named before its folder is looked at
+    output_dir = run_folder_of(args, run_name)
     result = None
     if accelerator.is_main_process:
         try:
-            check_output_dir(output_dir, models or {})
-            lock_output_dir(output_dir, take=False, stale_after=args.peer_timeout * 60)
-            found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
-                p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
-            own = checkpoint is not None and checkpoint.parent.parent.resolve() == output_dir.resolve()
-            overwrite = found and not (args.resume and (checkpoint is None or own))
-            if overwrite and not args.overwrite:
-                raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue it "
-                                 "with --resume auto, or give a new --output-dir (--overwrite deletes it)")
-            for log in LOGS:
-                if args.resume and (output_dir / log).exists():
-                    log_rows(output_dir / log)  # a bad line refused now, not after the models load
-            changed = resume_changes(args, saved, checkpoint.parent.parent if checkpoint else output_dir)
-            settings = {k: (saved[k], v) for k, v in run_state.items() if saved and saved.get(k, v) != v}
-            if settings:  # an older checkpoint has no num_processes: taken as unchanged
-                raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {settings}, the "
-                                 f"flags that differ: {changed or 'none recorded'}. The batch flags, --total-episodes, "
-                                 "the data and the number of processes set the data order, the random streams and the "
-                                 "learning rate's anneal, so a resume cannot change them: resume with the original "
-                                 "ones, or start a new run from the saved policy")
-            allowed = may_change | {"resume", "resume_with_changes"} | {
-                name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
-            refused = {name: change for name, change in changed.items() if name not in allowed}
-            if refused:
-                raise ValueError(f"--resume: flags differ from those {checkpoint or output_dir} was trained with "
-                                 f"(then, now): {refused}; they change the run, so resume with the original flags, or "
-                                 "name them in --resume-with-changes to go on with them")
-            result = {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
-            if saved and saved.get("finished"):  # the run's end (an early one too): a requeued job stops here
-                raise SystemExit(f"--resume {args.resume}: the run ended after update {saved['update']} "
-                                 f"({checkpoint}); nothing is left to train")
-            with disk_space_named(output_dir):
-                aside = move_aside(output_dir) if overwrite else None
-                lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
-                if aside is not None:  # the old run, moved away whole, is deleted only now
-                    shutil.rmtree(aside)
-                if own:
-                    notes += branch_at(checkpoint)
-        except SystemExit as ended:
+            check_output_dir(output_dir, reads or {})
+            check_overwrite(args, output_dir, reads or {})
+            created = not output_dir.exists()
+            try:
+                with disk_space_named(output_dir):
+                    lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
+                result = take(args, output_dir, run_state, may_change)
+            except BaseException:  # refused: the lock released, and the folder if it was made for the lock
+                release_lock(output_dir)
+                if created:
+                    with contextlib.suppress(OSError):
+                        output_dir.rmdir()
+                raise
+        except Finished as ended:
             result = ended
         except (ValueError, OSError) as error:
             result = ValueError(str(error) if isinstance(error, ValueError) else f"--output-dir {output_dir}: {error}")
     result = broadcast_object_list([result])[0]  # the other processes raise the same error, or go on
     if isinstance(result, ValueError):
         raise ValueError(str(result))
-    if isinstance(result, SystemExit):  # exit code 0, the reason printed once
+    if isinstance(result, Finished):  # exit code 0, the reason printed once
         if accelerator.is_main_process:
-            print(result.code)
+            print(result)
         raise SystemExit(0)
-    return RunFolder(output_dir, run_name, checkpoint, saved, result, notes, json.loads(json.dumps(asdict(args))))
+    return RunFolder(output_dir, run_name, **result, flags=json.loads(json.dumps(asdict(args))))
 
 
-def check_output_dir(output_dir: Path, models: dict[str, str | None]) -> None:
-    """Refuse a folder that is a file or under one, a model's folder (the trained model would be written over it), and
-    a folder holding files no run wrote (no args.json, metrics.jsonl or checkpoints/: a model's, a dataset's...)."""
+class Finished(Exception):
+    """The checkpoint --resume names is the run's end: nothing is left to train (a requeued job stops, code 0)."""
+
+
+def run_folder_of(args, run_name: str) -> Path:
+    """--output-dir, else the folder of the run whose checkpoint --resume names, else runs/<run_name>."""
+    if args.output_dir:
+        return Path(args.output_dir)
+    if args.resume and args.resume != "auto":
+        checkpoint = checkpoint_dir(args.resume)
+        if checkpoint.parent.name.startswith("abandoned-") and checkpoint.parent.parent.name == "checkpoints":
+            raise ValueError(f"--resume {checkpoint}: a checkpoint its run abandoned when it resumed an earlier one; "
+                             "continue it in a new folder: give --output-dir")
+        return checkpoint.parent.parent  # runs/<run>/checkpoints/update-NNNNNN: a resumed run keeps its folder
+    return Path(f"runs/{run_name}")
+
+
+def check_overwrite(args, output_dir: Path, reads: dict[str, str | None]) -> None:
+    """--overwrite deletes the folder's run: refused where that would delete what this run reads (the checkpoint
+    --resume names, a model, adapter or data inside the folder; --resume auto is refused with the flags)."""
+    if not args.overwrite:
+        return
+    inside = {}
+    for flag, path in [("--resume", args.resume), *reads.items()]:
+        if path and Path(path).exists() and is_within(Path(path), output_dir) and path not in inside.values():
+            inside[flag] = path
+    if inside:
+        named = ", ".join(f"{flag} {path}" for flag, path in inside.items())
+        resume = "; to continue from that checkpoint in this folder, drop --overwrite" if "--resume" in inside else ""
+        raise ValueError(f"--overwrite would delete {output_dir}, which holds what this run reads ({named}): move "
+                         f"{'it' if len(inside) == 1 else 'them'} out of the folder, or give another --output-dir"
+                         f"{resume}")
+
+
+def is_within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (links resolved)."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def take(args, output_dir: Path, run_state: dict, may_change: set[str]) -> dict:
+    """`claim` on the main process, the folder locked: the checkpoint, its state, the flags changed, the notes."""
+    checkpoint, notes = find_checkpoint(args.resume, output_dir) if args.resume else (None, [])
+    saved = json.loads((checkpoint / "trainer_state.json").read_text()) if checkpoint is not None else None
+    found = [p for p in (output_dir / "args.json", output_dir / "metrics.jsonl") if p.exists()] + [
+        p for p in [output_dir / "checkpoints"] if p.is_dir() and any(p.iterdir())]
+    own = checkpoint is not None and checkpoint.parent.parent.resolve() == output_dir.resolve()
+    if checkpoint is not None and not own and is_within(checkpoint, output_dir):  # checkpoints/abandoned-*/update-N
+        raise ValueError(f"--resume {checkpoint}: a checkpoint this run abandoned when it resumed an earlier one, so "
+                         f"the logs in {output_dir} hold the other branch's updates; continue it in a new folder (the "
+                         "same command with another --output-dir; its logs start after the checkpoint's update), or "
+                         "continue this folder's branch with --resume auto")
+    overwrite = found and not (args.resume and (checkpoint is None or own))
+    if overwrite and not args.overwrite:
+        raise ValueError(f"{output_dir} holds another run ({', '.join(p.name for p in found)}): continue it "
+                         "with --resume auto, or give a new --output-dir (--overwrite deletes it)")
+    for log in LOGS:
+        if args.resume and (output_dir / log).exists():
+            log_rows(output_dir / log)  # a bad line refused now, not after the models load
+    # a new run compares no flags: --overwrite with other flags starts afresh
+    changed = resume_changes(args, saved, checkpoint.parent.parent if checkpoint else output_dir) if (
+        args.resume) else {}
+    settings = {k: (saved[k], v) for k, v in run_state.items() if saved and saved.get(k, v) != v}
+    if settings:  # an older checkpoint has no num_processes: taken as unchanged
+        raise ValueError(f"--resume {checkpoint}: the run's settings changed (saved, now): {settings}, the "
+                         f"flags that differ: {changed or 'none recorded'}. The batch flags, --total-episodes, "
+                         "the data and the number of processes set the data order, the random streams and the "
+                         "learning rate's anneal, so a resume cannot change them: resume with the original "
+                         "ones, or start a new run from the saved policy")
+    allowed = may_change | {"resume", "resume_with_changes"} | {
+        name.lstrip("-").replace("-", "_") for name in args.resume_with_changes}
+    refused = {name: change for name, change in changed.items() if name not in allowed}
+    if refused:
+        raise ValueError(f"--resume: flags differ from those {checkpoint or output_dir} was trained with "
+                         f"(then, now): {refused}; they change the run, so resume with the original flags, or "
+                         "name them in --resume-with-changes to go on with them")
+    if saved and saved.get("finished"):  # the run's end (an early one too): a requeued job stops here
+        raise Finished(f"--resume {args.resume}: the run ended after update {saved['update']} ({checkpoint}): "
+                       "it is finished, nothing is left to train")
+    with disk_space_named(output_dir):
+        if overwrite:  # the old run moved away whole, then deleted once the new folder holds the lock
+            aside = move_aside(output_dir)
+            lock_output_dir(output_dir, take=True, stale_after=args.peer_timeout * 60)
+            shutil.rmtree(aside)
+        if own:
+            notes += branch_at(checkpoint)
+    changes = {name: change for name, change in changed.items() if name not in ("resume", "resume_with_changes")}
+    return dict(checkpoint=checkpoint, saved=saved, changes=changes, notes=notes)
+
+
+def check_output_dir(output_dir: Path, reads: dict[str, str | None]) -> None:
+    """Refuse a folder that is a file or under one, the folder of what the run reads (a model: the trained model would
+    be written over it), and a folder holding files no run wrote (no args.json, metrics.jsonl or checkpoints/: a
+    model's, a dataset's...)."""
     for folder in (output_dir, *output_dir.parents):
         if folder.exists():
             if not folder.is_dir():
@@ -136,7 +205,7 @@ def check_output_dir(output_dir: Path, models: dict[str, str | None]) -> None:
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise ValueError(f"--output-dir {output_dir}: {folder} is not writable")
             break
-    for flag, path in models.items():
+    for flag, path in reads.items():
         if path and Path(path).exists() and Path(path).resolve() == output_dir.resolve():
             raise ValueError(f"--output-dir {output_dir} is the folder of {flag}: the run would write its model over "
                              "that one; give another --output-dir")
@@ -208,6 +277,27 @@ def lock_output_dir(output_dir: Path, take: bool, stale_after: float) -> None:
     raise ValueError(f"{lock}: could not take the lock (another run starting at once?)")
 
 
+def release_lock(output_dir: Path) -> None:
+    """Remove output_dir/.lock if this process holds it."""
+    lock = output_dir / ".lock"
+    with contextlib.suppress(OSError):
+        if lock.read_text() == f"{socket.gethostname()} {os.getpid()}":
+            lock.unlink()
+
+
+def release_on_signal() -> None:
+    """SIGTERM during start-up (models loading, minutes for a large one) ends the run as an error does, so the lock is
+    released (by default SIGTERM ends a process at once: its lock, on another host, would block a requeued job for
+    --peer-timeout). `Preemption` takes over once the run starts; a handler someone else set is kept."""
+    def stop(signum, frame):
+        print(f"{signal.Signals(signum).name} during start-up: the run stops before training, its folder released; "
+              "start it again with the same command", file=sys.stderr, flush=True)
+        raise SystemExit(143)
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` of this host still runs (a zombie, killed but not yet reaped, does not)."""
     try:
@@ -257,8 +347,11 @@ class Preemption:
     progress finishes, its checkpoint is written, and the run exits with code 143. `requested` is asked once an
     update, on every process together, so all stop after the same update; a second SIGINT stops at once."""
 
-    def __init__(self):
-        self.signal = None
+    current = None  # the run's, for what waits on something else when a signal arrives (`stop_asked`)
+
+    def __init__(self, checkpoints: Path | None = None):
+        self.signal, self.checkpoints = None, checkpoints
+        Preemption.current = self
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.handle)
         if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":  # a process of accelerate launch
@@ -280,12 +373,30 @@ class Preemption:
         asked = torch.tensor(float(self.signal is not None), device=accelerator.device)
         return bool(accelerator.reduce(asked, "sum") > 0)
 
+    def newest(self) -> str:
+        """Which checkpoint a resume continues from, for a stop that cannot finish its update."""
+        latest = self.checkpoints / "latest" if self.checkpoints else None
+        name = latest.read_text().strip() if latest and latest.is_file() else ""
+        if not name:
+            return "no checkpoint is written yet: the same command starts the run again"
+        return f"the newest checkpoint is {self.checkpoints / name}: continue with the same command and --resume auto"
+
     def exit(self, console, update: int, checkpoint: Path) -> None:
         """The line a scheduler's log shows, then exit 143 (as a process SIGTERM ended): not finished."""
         name = signal.Signals(self.signal).name if self.signal else "a signal to another process"
         console.print(f"stopped by {name} after update {update}, checkpointed in {checkpoint}: continue with the "
                       "same command and --resume auto", highlight=False)
         raise SystemExit(143)
+
+
+def stop_asked() -> str | None:
+    """Once SIGTERM or SIGINT asked the run to stop: which, and what to do if the update in progress cannot finish
+    (a served reward not answering); else None."""
+    preemption = Preemption.current
+    if preemption is None or preemption.signal is None or signal.getsignal(signal.SIGTERM) != preemption.handle:
+        return None  # none asked, or a handler since set in its place (a test's)
+    return f"{signal.Signals(preemption.signal).name} asked the run to stop, so the update cannot finish; " + (
+        preemption.newest())
 
 
 # ---- Checkpoints -----------------------------------------------------------------------------------------------------
@@ -324,9 +435,7 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, 
     """The checkpoint to resume from, verified, and notes on those passed over. `auto`: the one that
     output_dir/checkpoints/latest names, else the newest whole one before it (None if there is none yet)."""
     if resume != "auto":
-        path = Path(resume)
-        if not path.is_dir() or not {"trainer_state.json", CHECKSUMS} & {p.name for p in path.iterdir()}:
-            raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+        path = checkpoint_dir(resume)
         if problem := checkpoint_problem(path):
             raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}; resume from another one")
         return path, []
@@ -351,6 +460,14 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, 
     if any(n.startswith("checkpoint ") for n in notes):
         raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
     return None, notes
+
+
+def checkpoint_dir(resume: str) -> Path:
+    """--resume's folder, if it looks like a checkpoint (before its run's folder is taken; verified after)."""
+    path = Path(resume)
+    if not path.is_dir() or not {"trainer_state.json", CHECKSUMS} & {p.name for p in path.iterdir()}:
+        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+    return path
 
 
 def checkpoint_dirs(checkpoints: Path) -> list[Path]:
@@ -442,7 +559,7 @@ def save_models(accelerator, model: nn.Module, args, base_model_path: str, outpu
         tokenizer.save_pretrained(output_dir)
         unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
         if getattr(args, "merge_adapter", False):
-            from ppo_harness.models import outside_zero_init
+            from ppo_harness.models import outside_zero_init  # here: the run folder's users need no peft
 
             with outside_zero_init(accelerator.state.deepspeed_plugin):
                 base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=args.dtype, **remote)
@@ -475,30 +592,3 @@ def load_value_head(path: str | Path) -> nn.Linear:
     head = nn.Linear(state["weight"].size(1), 1, dtype=state["weight"].dtype)
     head.load_state_dict(state)
     return head
-
-
-# ---- Writing without half files --------------------------------------------------------------------------------------
-def temporary_name(path: Path) -> Path:
-    """A hidden name beside `path`, unique to this process among the machines sharing the disk."""
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = temporary_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def disk_space_named(folder: Path):
-    """A write that fails on a full disk says so and where (torch says only "unexpected pos")."""
-    try:
-        yield
-    except Exception as error:
-        usage = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists()))
-        chain = [e for e in (error, error.__cause__, error.__context__) if e is not None]
-        if any(getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e) for e in chain) or (
-                usage.free < min(2**24, usage.total // 20)):
-            raise OSError(errno.ENOSPC, f"no space left on device: writing {folder} failed, {usage.free} bytes free "
-                          f"there ({type(error).__name__}: {error}); free space and resume") from error
-        raise

@@ -1,6 +1,7 @@
 """Runs OpenRLHF's reward server, tests/openrlhf_58ec6ff/serve_rm.py, unchanged, with its imports answered by small
 stand-ins: FastAPI and uvicorn by a plain HTTP server that calls its `/get_reward` handler, OpenRLHF's model loader by a
-scorer whose score is a query's token count (its attention mask's sum), OpenRLHF's tokenizer loader by transformers'.
+scorer whose score is a query's token count (its attention mask's sum, plus 0.001 a padding token), OpenRLHF's
+tokenizer loader by transformers'.
 
     python tests/openrlhf_server.py --reward_pretrain TOKENIZER_DIR --port PORT
 """
@@ -61,11 +62,13 @@ def run(app, host, port, log_level):  # uvicorn.run: a handler's exception is a 
     ThreadingHTTPServer((host, port), Handler).serve_forever()
 
 
-class TokenCounter(torch.nn.Module):  # get_llm_for_sequence_regression(...): a query's score is its token count
+class TokenCounter(torch.nn.Module):  # get_llm_for_sequence_regression(...)
+    """A query's score is its token count, plus 0.001 a padding token: as a real model in bf16, a row padded in a
+    batch scores slightly unlike alone."""
     device = torch.device("cpu")
 
     def forward(self, input_ids, attention_mask):
-        return attention_mask.sum(1).float()
+        return attention_mask.sum(1).float() + 1e-3 * (attention_mask == 0).sum(1)
 
 
 def get_tokenizer(pretrain, model, padding_side, strategy, use_fast=True):  # as OpenRLHF's: pad = eos if none

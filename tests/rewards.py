@@ -124,3 +124,15 @@ def process_index(completions, log_metric, **kwargs):
 
     log_metric("process", float(PartialState().process_index))
     return [0.0] * len(completions)
+
+
+def logs_its_rows(prompts, completions, row_id, trainer_state, **kwargs):
+    """Appends one line per call to the file $REWARD_CALLS (the step, the rows' row_id, whether the prompts stand in
+    for the completions: the start-up check); judges every row 0."""
+    import json
+    import os
+
+    with open(os.environ["REWARD_CALLS"], "a") as f:
+        f.write(json.dumps({"step": trainer_state.global_step, "rows": list(row_id),
+                            "start_up": list(completions) == list(prompts)}) + "\n")
+    return [0.0] * len(completions)

@@ -99,6 +99,19 @@ def test_a_resume_records_the_changes_it_may_make(assets, tmp_path):
         ppo.check_args(ppo.Args(resume_with_changes=("learning-ratee",)))
 
 
+@pytest.mark.parametrize("flags, message", [
+    (dict(resume_with_changes=("learning-rate",)), "no --resume, so no flags are compared; add --resume auto"),
+    (dict(overwrite=True, resume="auto", output_dir="runs/x"), "drop --overwrite to continue it, or --resume"),
+    (dict(eval_samples=0, eval_every=2), "--eval-every 2: --eval-samples 0 holds no prompts out"),
+    (dict(reward_url_rows_per_request=4), "add --reward-url-protocol openrlhf, or drop it"),
+])
+def test_a_flag_that_cannot_act_is_refused_saying_what_to_do(flags, message):
+    """Ignored without a word at c25d42a."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ppo.check_args(ppo.Args(**flags))
+    ppo.check_args(ppo.Args(eval_samples=0))  # --eval-every's default: not given, nothing to refuse
+
+
 def squeezed(text):
     return "".join(text.split())
 

@@ -2,11 +2,16 @@
 folder (claim, lock, resume check, checkpoints, logs), the run log, the flags' intervals and the prompt files."""
 import ast
 import dataclasses
+import graphlib
 import inspect
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,7 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from conftest import ROOT
-from ppo_harness import launch, prompt_files, run_folder, run_log
+from ppo_harness import launch, prompt_files, run_folder, run_log, writes
 
 HARNESS = sorted((ROOT / "ppo_harness").glob("*.py"))
 
@@ -30,6 +35,26 @@ def test_the_harness_imports_neither_script_and_holds_no_algorithm(path):
     assert not calls & {"backward", "step", "zero_grad", "clip_grad_norm_"}, f"{path.name} trains: {calls}"
     names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not names & {"policy_loss", "value_loss", "compute_gae", "compute_rewards"}
+
+
+def harness_imports(path: Path) -> set[str]:
+    """The ppo_harness modules a harness file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "ppo_harness":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ppo_harness."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("ppo_harness.")}
+    return found
+
+
+def test_the_harness_has_no_import_cycle():
+    """Each module reads alone, down an order: none imports one that imports it back (graphlib names a cycle)."""
+    graph = {path.stem: harness_imports(path) for path in HARNESS}
+    assert graph["run_folder"] and graph["reward_calls"]  # the reader sees imports (a broken reader finds none)
+    list(graphlib.TopologicalSorter(graph).static_order())
 
 
 @dataclasses.dataclass
@@ -113,6 +138,138 @@ def test_a_checkpoint_carries_the_flags_the_run_was_launched_with(accelerator, t
     assert stopped.value.code == 0
 
 
+def branched_run(accelerator, out):
+    """A run that resumed update 1 after update 2: update-000002 is abandoned (checkpoints/abandoned-*/)."""
+    folder = claim(accelerator, out)
+    run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    for update in (1, 2):
+        run_folder.save_checkpoint(accelerator, folder, dict(update=update, finished=False, **STATE))
+    claim(accelerator, out, resume=str(out / "checkpoints" / "update-000001"))
+    return next((out / "checkpoints").glob("abandoned-*")) / "update-000002"
+
+
+def test_overwrite_never_deletes_what_the_run_reads(accelerator, tmp_path):
+    """--overwrite refuses to delete a folder that holds the checkpoint --resume names (an abandoned one too) or a
+    model the run reads, nested at any depth; the folder stays whole. At c25d42a both were deleted."""
+    out = tmp_path / "run"
+    abandoned = branched_run(accelerator, out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(ValueError, match=re.escape(f"--overwrite would delete {out}, which holds what this run reads "
+                                                   f"(--resume {abandoned})")):  # as the scripts, it may change
+        run_folder.claim(accelerator, Flags(output_dir=str(out), resume=str(abandoned), overwrite=True), STATE,
+                         {"overwrite"})
+    sft = out / "models" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=re.escape(f"(--sft-model-path {sft}): move it out of the folder")):
+        run_folder.claim(accelerator, Flags(output_dir=str(out), overwrite=True), STATE, set(),
+                         {"--sft-model-path": str(sft), "--value-model-path": None})
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(before + [Path("models"), Path(
+        "models/sft"), Path("models/sft/config.json")]) and (out / ".lock").exists()
+    run_folder.claim(accelerator, Flags(output_dir=str(out), overwrite=True), STATE, set(),
+                     {"--sft-model-path": str(tmp_path / "elsewhere")})  # nothing it reads inside: deleted
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_overwrite_starts_a_new_run_with_new_flags(accelerator, tmp_path):
+    """A new run with other flags into another run's folder, with --overwrite: no flags compared (no resume asked).
+    At c25d42a it was refused with the resume's message."""
+    out = tmp_path / "run"
+    folder = claim(accelerator, out)
+    run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
+    (out / "metrics.jsonl").write_text('{"update": 1}\n')
+    new = claim(accelerator, out, overwrite=True, learning_rate=0.5)
+    assert new.checkpoint is None and new.changes == {} and new.banner_lines() == []
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_an_abandoned_checkpoint_continues_in_a_new_folder_and_says_so(accelerator, tmp_path):
+    """Resuming one of the run's own abandoned checkpoints into its folder would mix two branches' logs: refused,
+    saying how to continue it (another --output-dir), which then works. At c25d42a: "holds another run"."""
+    out = tmp_path / "run"
+    abandoned = branched_run(accelerator, out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*") if p.name != ".lock")
+    for flags in (dict(output_dir=str(out)), dict(output_dir=None)):
+        with pytest.raises(ValueError, match="abandoned when it resumed an earlier one") as refused:
+            run_folder.claim(accelerator, Flags(resume=str(abandoned), **flags), STATE, set())
+        assert "--output-dir" in str(refused.value)
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.name != ".lock") == before  # nothing moved
+    branch = run_folder.claim(accelerator, Flags(output_dir=str(tmp_path / "branch"), resume=str(abandoned)), STATE,
+                              {"output_dir"})
+    assert branch.checkpoint == abandoned and branch.saved["update"] == 2 and abandoned.is_dir()
+
+
+def test_the_lock_is_taken_before_a_checkpoint_is_chosen(accelerator, tmp_path, monkeypatch, capsys):
+    """A start while the run still holds its folder, in its last update, is refused with the running pid, whatever
+    the checkpoints then; once that run has finished, a start says so and moves nothing. At c25d42a the checkpoint was
+    chosen first (update 1), the run then ended (writing update 2, the final one, and freeing its lock), and the
+    start moved update 2 aside and trained it again."""
+    out = tmp_path / "run"
+    folder = claim(accelerator, out)
+    run_folder.save_checkpoint(accelerator, folder, dict(update=1, finished=False, **STATE))
+    running = subprocess.Popen(["sleep", "60"])
+    (out / ".lock").write_text(f"{socket.gethostname()} {running.pid}")  # the first run, in its last update
+    find_checkpoint = run_folder.find_checkpoint
+
+    def the_run_ends_meanwhile(resume, output_dir):
+        found = find_checkpoint(resume, output_dir)
+        run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))
+        (out / ".lock").unlink()
+        return found
+    monkeypatch.setattr(run_folder, "find_checkpoint", the_run_ends_meanwhile)
+    try:
+        with pytest.raises(ValueError, match=f"in use by the run of process {running.pid} "):
+            claim(accelerator, out, resume="auto")
+    finally:
+        running.kill()
+        running.wait()
+    monkeypatch.undo()
+    run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))  # the run ends
+    (out / ".lock").unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        claim(accelerator, out, resume="auto")
+    assert stopped.value.code == 0 and "it is finished, nothing is left to train" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "update-000001", "update-000002"]
+    assert not (out / ".lock").exists()
+
+
+def test_a_signal_during_start_up_releases_the_lock(tmp_path):
+    """SIGTERM after the folder is taken and before the run's own handler (models loading): the process exits 143,
+    saying what to do, and its lock is gone. At c25d42a SIGTERM killed it at once and the lock stayed."""
+    out = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import dataclasses, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from accelerate import Accelerator
+        from ppo_harness import run_folder
+
+        @dataclasses.dataclass
+        class Flags:
+            exp_name: str = "t"
+            seed: int = 1
+            output_dir: str = {str(out)!r}
+            resume: str | None = None
+            resume_with_changes: tuple = ()
+            overwrite: bool = False
+            peer_timeout: float = 30.0
+
+        run_folder.claim(Accelerator(cpu=True), Flags(), {{}}, set())
+        print("claimed", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "claimed\n" and (out / ".lock").exists()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "start it again with the same command" in stderr
+    assert not (out / ".lock").exists()
+
+
 def test_checkpoints_are_verified_and_pruned(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2, 3):
@@ -139,10 +296,10 @@ def test_logs_keep_the_rows_before_a_resume_and_name_a_bad_line(tmp_path):
 
 def test_a_full_disk_is_named_with_the_folder(tmp_path):
     with pytest.raises(OSError, match=f"no space left on device: writing {tmp_path} failed"):
-        with run_folder.disk_space_named(tmp_path):
+        with writes.disk_space_named(tmp_path):
             raise OSError(28, "No space left on device")
     with pytest.raises(KeyError):  # another error passes through as it is
-        with run_folder.disk_space_named(tmp_path):
+        with writes.disk_space_named(tmp_path):
             raise KeyError("x")
 
 
@@ -241,10 +398,10 @@ def test_prompt_files_load_and_name_what_is_wrong(tmp_path):
 
 def test_writes_are_whole_or_absent(tmp_path):
     path = tmp_path / "f.json"
-    run_folder.write_atomic(path, "one")
-    run_folder.write_atomic(path, "two")
+    writes.write_atomic(path, "one")
+    writes.write_atomic(path, "two")
     assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
-    assert run_folder.temporary_name(path).parent == tmp_path and run_folder.temporary_name(path).name.startswith(".")
+    assert writes.temporary_name(path).parent == tmp_path and writes.temporary_name(path).name.startswith(".")
 
 
 def test_damage_to_latest_or_the_checksums_is_named_and_an_older_whole_checkpoint_taken(accelerator, tmp_path):
@@ -293,7 +450,7 @@ def _quiet():
 def test_numpy_scalars_and_bools_are_scores():
     import numpy as np
 
-    from ppo_harness.rewards import checked_scores
+    from ppo_harness.reward_calls import checked_scores
 
     scores = checked_scores([np.bool_(True), np.float32(0.5), True, None], {"completions": [0] * 4}, "cpu", "f")
     assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()

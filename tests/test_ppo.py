@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import ppo
 from ppo_harness import speed
-from ppo_harness.rewards import call_reward_fn, reward_fn_kwargs
+from ppo_harness.reward_calls import call_reward_fn, reward_fn_kwargs
 from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer, run_ppo,
                       tiny_args, without_wall_clock, write_config_dataset)
 
@@ -208,7 +208,7 @@ def test_eval_is_deterministic_and_leaves_training_alone(eval_runs):
 
 
 def test_sample_tables_show_the_prompt_as_the_dataset_gave_it():
-    from ppo_harness.rewards import prompt_text
+    from ppo_harness.reward_fns import prompt_text
 
     assert prompt_text("a movie review") == "a movie review"
     chat = [{"role": "system", "content": "You are a helpful AI assistant"}, {"role": "user", "content": "Continue"}]

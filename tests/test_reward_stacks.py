@@ -1,17 +1,25 @@
 """Rewards from the other stacks, unchanged: OpenRLHF's reward server (its own handler, tests/openrlhf_58ec6ff) and its
 `reward_func(queries, prompts, labels)` files, verl's data layout and `compute_score` (its GSM8K scorer,
 tests/verl_945104d), and one judge call per row on two processes, none at start-up."""
+import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from conftest import ROOT, TINY, free_port, launch, run_ppo
-from ppo_harness.rewards import RewardLogs, VerlComputeScore, call_reward_fn, load_reward_fn
+import ppo
+from conftest import ROOT, TINY, free_port, launch, make_tokenizer, run_ppo
+from ppo_harness.reward_calls import call_reward_fn, function_scores
+from ppo_harness.reward_fns import load_reward_fn
+from ppo_harness.reward_logs import RewardLogs
+from ppo_harness.reward_stacks import OpenRLHFReward, VerlComputeScore
 from test_rewards import chat  # noqa: F401 (the chat policy and its prompts)
 
 
@@ -77,6 +85,82 @@ def test_an_openrlhf_reward_func_file_runs_as_it_is(assets, tmp_path, fn):
         assert all("objective/reward_fn/query_words" in r and "eval/reward_fn/query_words" in r for r in rows)
 
 
+def bos_tokenizer():
+    """The tiny word-level tokenizer, adding a BOS (`<unk>`, id 30) before each text, as Llama's adds <s>; [PAD] 31."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = make_tokenizer(pad=False)
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", 30)])
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+@pytest.mark.parametrize("rows_per_request, scores", [(1, [5.0, 2.0]), (2, [5.0, 2.003])])
+def test_openrlhfs_protocol_sends_what_openrlhf_sends(openrlhf_server, rows_per_request, scores):
+    """OpenRLHF's own handler (tests/openrlhf_58ec6ff) scores each query by its tokens: the prompt as OpenRLHF
+    tokenises it, without the BOS the policy's tokenizer adds, then the response (its eos kept). One row per request
+    by default, as OpenRLHF posts them: the server pads nothing; two, it pads the shorter row (0.001 a token here, as
+    bf16 would). At c25d42a the BOS was sent (6 and 3) and the batch posted whole (padded)."""
+    tokenizer = bos_tokenizer()
+    prompts = ["w1 w2", "w3"]
+    rows = {"prompt": prompts, "input_ids": tokenizer(prompts)["input_ids"]}
+    assert rows["input_ids"][1] == [30, 4]  # the policy reads the BOS
+    responses = torch.tensor([[5, 6, 0], [7, 31, 31]])  # "w4 w5 <eos>", "w6" then padding
+    fn = load_reward_fn(openrlhf_server, 10.0, 0, "openrlhf", None, rows_per_request)
+    record = SimpleNamespace(names=["remote"], model_paths=[], fn_specs=[openrlhf_server], fns=[fn],
+                             policy_tokenizer=tokenizer, prompt_column="prompt", chat=False, max_steps=1,
+                             updates_per_epoch=1)
+    logs = RewardLogs(2)
+    assert function_scores(record, rows, responses, 0, logs)["remote"].tolist() == pytest.approx(scores)
+    assert logs.metrics["dummy_scores"] == [pytest.approx(sum(scores) / 2)]  # extra_logs joined over the requests
+
+
+def test_openrlhfs_labels_are_the_named_column_or_empty(assets, tmp_path):
+    """`labels`: --label-key's column; without the flag the `label` column, else "" as OpenRLHF sends (c25d42a:
+    None). A --label-key naming no column is refused at start-up, naming the columns (c25d42a: None for every row)."""
+    got = []
+
+    def reward_func(queries, prompts, labels):
+        got.append(labels)
+        return [0.0] * len(queries)
+    kwargs = dict(queries=["a w7", "b"], rendered_prompts=["a", "b"], prompts=["a", "b"], completions=["w7", ""],
+                  completion_ids=[[8], []], answer=["x", "y"], **RewardLogs(2).keywords())
+    for label_key, extra, labels in [("answer", {}, ["x", "y"]), (None, {}, ["", ""]),
+                                     (None, {"label": ["p", "q"]}, ["p", "q"])]:
+        call_reward_fn(OpenRLHFReward(reward_func, label_key, "f"), {**kwargs, **extra}, "cpu", "f")
+        assert got[-1] == labels
+    args = ppo.Args(sft_model_path=str(assets["sft"]), reward_fn=("tests/rewards.py:reward_func",),
+                    dataset_name=str(assets["prompts"]), label_key="answer", output_dir=str(tmp_path / "run"),
+                    num_trainable_layers=None)
+    with pytest.raises(ValueError, match=re.escape(f"--label-key 'answer' is not a column of --dataset-name "
+                                                   f"{assets['prompts']} (columns: ['prompt'])")):
+        ppo.main(args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_verls_extra_info_carries_verls_keys_and_async_scorers_are_awaited():
+    """compute_score gets `extra_info` as verl's reward loop passes it: the row's ({} where the data has none; c25d42a:
+    None) with `num_turns` and `rollout_reward_scores` added; an `async def` one is awaited (c25d42a: refused)."""
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        seen.append(extra_info)
+        return float(ground_truth in solution_str)
+
+    async def async_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        await asyncio.sleep(0)
+        return {"score": float(ground_truth in solution_str), "turns": extra_info["num_turns"]}
+    rows = dict(completions=["w7", "w8"], prompts=["a", "b"], data_source=["d", "d"],
+                reward_model=[{"ground_truth": "w7"}] * 2, **RewardLogs(2).keywords())
+    added = {"num_turns": 2, "rollout_reward_scores": {}}
+    assert call_reward_fn(VerlComputeScore(compute_score, "f"), rows, "cpu", "f").tolist() == [1.0, 0.0]
+    call_reward_fn(VerlComputeScore(compute_score, "f"), {**rows, "extra_info": [{"index": 0}, None]}, "cpu", "f")
+    assert seen == [added, added, {"index": 0, **added}, added]
+    logs = RewardLogs(2)
+    scores = call_reward_fn(VerlComputeScore(async_compute_score, "g"), {**rows, **logs.keywords()}, "cpu", "g")
+    assert scores.tolist() == [1.0, 0.0] and logs.columns["turns"] == [2, 2]
+
+
 def verl_rows(n: int) -> list[dict]:
     """Rows in verl's layout (its gsm8k.py preprocessing): data_source, a chat prompt, ability, reward_model with the
     ground truth, extra_info."""
@@ -119,7 +203,7 @@ class Counter(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Counter.seen.append((body["trainer_state"]["global_step"], body["row_id"]))
+        Counter.seen.extend((body["trainer_state"]["global_step"], i) for i in body["row_id"])
         data = json.dumps({"rewards": [0.0] * len(body["row_id"])}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -130,25 +214,39 @@ class Counter(BaseHTTPRequestHandler):
         pass
 
 
-def test_two_processes_send_a_judge_each_row_once_and_no_fake_row(assets, tmp_path):
-    """Training rows and held-out rows, on 2 processes: the served judge gets each once per scoring (none at
-    start-up), and log_metric's held-out value is the mean over the processes (0 and 1: 0.5)."""
+@pytest.mark.parametrize("config, held_out, process_mean", [("multi_cpu.yaml", 1, 0.0),
+                                                             ("deepspeed_zero3.yaml", 3, 0.5)])
+def test_two_processes_send_a_judge_each_row_once_and_no_fake_row(assets, tmp_path, monkeypatch, config, held_out,
+                                                                   process_mean):
+    """Training rows and held-out rows, on 2 processes: a served judge and a local function get each row once per
+    scoring, where a process's held-out share repeats another's row so both sample as many (1 held-out row; ZeRO-3's
+    3, stepping together); the start-up check calls the local function once, the served one never. log_metric's
+    held-out value is the mean over the processes that judged (0 and 1: 0.5). At c25d42a the repeated row was judged
+    twice and the start-up check ran on each process."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({**json.loads(line), "row_id": i}) + "\n"
                             for i, line in enumerate(assets["prompts"].read_text().splitlines())))
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("REWARD_CALLS", str(calls))
+    Counter.seen = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Counter)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         args = ["--sft-model-path", str(assets["sft"]), "--dataset-name", str(data), "--reward-fn",
-                f"http://127.0.0.1:{server.server_address[1]}/score", "tests/rewards.py:process_index", *TINY,
-                "--eval-samples", "5", "--eval-every", "1", "--per-device-train-batch-size", "2"]
-        _, rows = launch(args, tmp_path / "run")
+                f"http://127.0.0.1:{server.server_address[1]}/score", "tests/rewards.py:process_index",
+                "tests/rewards.py:logs_its_rows", *TINY, "--eval-samples", str(held_out), "--eval-every", "1",
+                "--per-device-train-batch-size", "2"]
+        _, rows = launch(args, tmp_path / "run", config=config)
     finally:
         server.shutdown()
-    held_out = set(range(59, 64))
-    evaluations = [[i for step, ids in Counter.seen if step == s for i in ids if i in held_out] for s in (0, 1, 2)]
-    assert [sorted(e) for e in evaluations] == [sorted(held_out)] * 3  # each held-out row once per evaluation
-    training = [[i for step, ids in Counter.seen if step == s for i in ids if i not in held_out] for s in (0, 1)]
-    assert [len(t) for t in training] == [16, 16] and all(len(set(t)) == 16 for t in training)
-    assert all(r["eval/reward_fn/process"] == r["objective/reward_fn/process"] == 0.5 for r in rows)
-    assert lines(tmp_path / "run" / "metrics.jsonl")[0]["eval/reward_fn/process"] == 0.5
+    local = lines(calls)
+    assert len([c for c in local if c["start_up"]]) == 1  # once per run
+    held = set(range(64 - held_out, 64))
+    for seen in (Counter.seen, [(c["step"], i) for c in local if not c["start_up"] for i in c["rows"]]):
+        evaluations = [sorted(i for step, i in seen if step == s and i in held) for s in (0, 1, 2)]
+        assert evaluations == [sorted(held)] * 3  # each held-out row once per evaluation
+        training = [[i for step, i in seen if step == s and i not in held] for s in (0, 1)]
+        assert [len(t) for t in training] == [16, 16] and all(len(set(t)) == 16 for t in training)
+    assert all(r["objective/reward_fn/process"] == 0.5 for r in rows)
+    assert all(r["eval/reward_fn/process"] == process_mean for r in rows)
+    assert lines(tmp_path / "run" / "metrics.jsonl")[0]["eval/reward_fn/process"] == process_mean

@@ -20,7 +20,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
 import ppo
-from ppo_harness.rewards import RewardLogs, call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.reward_calls import call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness import run_folder
+from ppo_harness.reward_logs import RewardLogs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 
@@ -230,6 +232,34 @@ def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     with pytest.raises(ValueError, match=re.escape("/short, called with the keywords") + ".* expected a list of 2"):
         call_reward_fn(served("/short"), kwargs, "cpu", base + "/short")
     assert [path for path, _ in got].count("/missing") == 1
+
+
+def test_a_signal_stops_the_retries_and_names_the_newest_checkpoint(server, tmp_path):
+    """SIGTERM while a served reward does not answer: no retry (a scheduler's grace period is short), and the error
+    says which checkpoint a resume continues from, with no unrelated protocol hint (a timeout is no wrong protocol).
+    At c25d42a: 4 tries 1, 2 and 4 s apart, then the timeout with OpenRLHF's hint."""
+    import signal
+
+    base, got = server
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "update-000003").mkdir(parents=True)
+    (checkpoints / "latest").write_text("update-000003")
+    fn = ppo.load_reward_fn(base + "/slow", 0.2, 3)
+    kwargs = dict(prompts=["a"], completions=["w7"], completion_ids=[[8]], **RewardLogs(1).keywords())
+    preemption = run_folder.Preemption(checkpoints)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the run's handler notes it; the update goes on
+        with pytest.raises(RuntimeError) as error:
+            call_reward_fn(fn, kwargs, "cpu", base + "/slow")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    message = str(error.value)
+    assert preemption.signal == signal.SIGTERM and [path for path, _ in got].count("/slow") == 1
+    assert "not retried: SIGTERM asked the run to stop" in message and "TimeoutError" in message
+    assert f"the newest checkpoint is {checkpoints / 'update-000003'}: continue with the same command and --resume " \
+        "auto" in message and "openrlhf" not in message.lower()
+    assert run_folder.stop_asked() is None  # the handler replaced: no stop asked any more
 
 
 def test_openrlhfs_protocol_posted_to_a_server_of_ours_names_the_flag(server):
