@@ -119,7 +119,8 @@ CONFIGS = {  # name: (script, launcher: None, accelerate launch flags or an acce
     "reasoning": ("ppo.py", None, [*BASE, "--reward-fn", RFN, *REASONING]),
     "reasoning_grpo": ("ppo.py", None, [*BASE, "--reward-fn", RFN, *"--num-generations 4 --advantage-estimator grpo "
                                         "--loss-aggregation sequence --cliprange-high 0.28 --dynamic-sampling".split()]),
-    "reasoning_ddp2": ("ppo.py", "multi_cpu.yaml", [*BASE, "--reward-fn", RFN, "--shared-value-head", *REASONING]),
+    "reasoning_ddp2": ("ppo.py", "multi_cpu.yaml", [*BASE, "--reward-fn", RFN, "--shared-value-head", *REASONING,
+                                                    "--total-episodes", "64"]),  # 2 updates of 32
     "tldr": ("ppo_tldr.py", None, TLDR),
     "tldr_zero3": ("ppo_tldr.py", "deepspeed_zero3.yaml", TLDR),
     "tldr_bf16": ("ppo_tldr.py", ONE_CPU_BF16, TLDR),
