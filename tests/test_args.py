@@ -23,7 +23,9 @@ BAD = {
         "eval_samples": -1, "stop_token_id": -1, "kl_target": 0.0, "kl_horizon": 0.0, "target_kl": 0.0,
         "ratio_threshold": 0.0, "score_clip": -1.0, "num_trainable_layers": 0, "lora_r": 0, "lora_alpha": 0,
         "lora_dropout": 1.0, "eval_every": -1, "reward_weights": (1.0, math.nan), "ent_coef": -0.1,
-        "num_generations": 0, "reward_url_timeout": 0.0, "reward_url_retries": -1,
+        "num_generations": 0, "reward_url_timeout": 0.0, "reward_url_retries": -1, "value_warmup_updates": -1,
+        "lam_critic": 1.5, "lam_length_alpha": 0.0, "cliprange_high": 0.0, "positive_lm_coef": -0.1,
+        "positive_threshold": math.nan,
     },
     ppo_tldr: {
         "max_query_length": 0, "eval_samples": 0, "eval_every": -1, "penalty_reward_value": math.inf,
