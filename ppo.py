@@ -168,6 +168,26 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     score_clip: Annotated[float | None, "(0, inf)"] = None
     """clip scores to [-score_clip, score_clip], after any scaling"""
 
+    # reasoning with verifiable rewards: VC-PPO (arXiv 2503.01491), VAPO (2504.05118), DAPO (2503.14476); all off
+    value_warmup_updates: Annotated[int, "[0, inf)"] = 0
+    """the first N updates train only the critic, on the initial policy's rollouts (VC-PPO's value pretraining)"""
+    lam_critic: Annotated[float | None, "[0, 1]"] = None
+    """the GAE lambda of the critic's targets, --lam then the policy's alone (decoupled GAE; None: --lam for both)"""
+    lam_length_alpha: Annotated[float | None, "(0, inf)"] = None
+    """VAPO's length-adaptive policy lambda per response, 1 - 1 / (alpha x length), clipped to [0, 1] (VAPO: 0.05)"""
+    cliprange_high: Annotated[float | None, "(0, inf)"] = None
+    """the ratio's upper clip, 1 + this (clip-higher, DAPO: 0.28; None: --cliprange on both sides)"""
+    loss_aggregation: Literal["micro-batch", "token", "sequence"] = "micro-batch"
+    """the policy loss: each micro-batch's token mean (TRL's), every token of the minibatch alike, or sequence means"""
+    positive_lm_coef: Annotated[float, "[0, inf)"] = 0.0
+    """VAPO's positive-example LM loss: this x the NLL of responses scoring at least --positive-threshold (VAPO: 0.1)"""
+    positive_threshold: Annotated[float, "(-inf, inf)"] = 1.0
+    """the score (raw, before scaling) at which a response counts as positive for --positive-lm-coef"""
+    dynamic_sampling: bool = False
+    """groups of --num-generations responses that all scored the same leave the loss and the whitening (DAPO)"""
+    advantage_estimator: Literal["gae", "grpo", "rloo"] = "gae"
+    """gae: the critic's; grpo or rloo: from each group's summed rewards, critic-free (no value loss)"""
+
     # optimizer
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
     """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
@@ -457,14 +477,81 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), all masked (TRL averaged over padding)."""
+def length_adaptive_lam(sequence_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive GAE ("Managing Heterogeneous Sequence Lengths"): the policy's lambda per response,
+    1 - 1 / (alpha x l), l its real tokens, clipped to [0, 1] (a response under 1 / alpha tokens would go negative)."""
+    length = (sequence_lengths + 1).clamp(min=1).to(torch.float32)
+    return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
+
+
+def group_advantages(sequence_rewards: torch.Tensor, judged: torch.Tensor, num_generations: int,
+                     estimator: str) -> torch.Tensor:
+    """One advantage per response from its group (`num_generations` rows in a row), critic-free. grpo: (r - mean) /
+    (std + 1e-4), the std unbiased (DeepSeekMath's GRPO, section 4.1.2, as TRL's GRPOTrainer); rloo: r - the mean of
+    the group's other responses (RLOO: Ahmadian et al. 2024, arXiv 2402.14740). Unjudged rows stay out of their
+    group's statistics and get 0, as does every row of a group with fewer than 2 judged."""
+    r, w = sequence_rewards.view(-1, num_generations), judged.view(-1, num_generations).to(sequence_rewards.dtype)
+    k = w.sum(1, keepdim=True)
+    mean = (r * w).sum(1, keepdim=True) / k.clamp(min=1)
+    if estimator == "rloo":  # r_i - (sum - r_i) / (k - 1) = k / (k - 1) x (r_i - mean)
+        advantages = (r - mean) * k / (k - 1).clamp(min=1)
+    else:
+        std = (((r - mean) ** 2 * w).sum(1, keepdim=True) / (k - 1).clamp(min=1)).sqrt()
+        advantages = (r - mean) / (std + 1e-4)
+    return torch.where((k >= 2) & (w > 0), advantages, 0.0).view(-1)
+
+
+def equal_score_groups(scores: torch.Tensor, judged: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Per row: True where its group's judged responses all scored the same (or fewer than 2 were judged), so its group
+    advantage carries no signal. DAPO's dynamic sampling (section 3.2: 0 < |correct| < G) then samples more
+    groups; here such rows only leave the loss and the whitening."""
+    s, w = scores.view(-1, num_generations), judged.view(-1, num_generations)
+    spread = torch.where(w, s, -math.inf).amax(1) - torch.where(w, s, math.inf).amin(1)
+    return (~(spread > 0)).repeat_interleave(num_generations)
+
+
+def minibatch_counts(real: torch.Tensor, minibatch_rows: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Per minibatch (a row of `minibatch_rows` each): the real tokens (token) or the sequences holding one (sequence)
+    of its rows on this process; summed over processes, they make `aggregate_loss`'s denominator."""
+    tokens = real.sum(1)[minibatch_rows]
+    return (tokens if aggregation == "token" else (tokens > 0).long()).sum(1).float()
+
+
+def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "micro-batch",
+                   denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token or sequence, the sum
+    of tokens' losses or sequences' means / `denominator` (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
+    if aggregation == "micro-batch":
+        return masked_mean(losses, mask)
+    if aggregation == "token":
+        return (losses * mask).sum() / denominator
+    return ((losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denominator
+
+
+def explained_variance(sums: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) from `explained_variance_sums` summed over processes (0 when the
+    returns do not vary): 1 is a perfect critic, 0 one no better than the mean return."""
+    n, r, r2, d, d2 = sums.tolist()
+    var_r, var_d = r2 / max(n, 1) - (r / max(n, 1)) ** 2, d2 / max(n, 1) - (d / max(n, 1)) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
+
+
+def explained_variance_sums(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(n, sum R, sum R^2, sum D, sum D^2) over the real tokens, D = R - V, in float64: summed over processes."""
+    r, d, m = returns.double(), (returns - values).double(), mask.double()
+    return torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum(), (d * m).sum(), (d * d * m).sum()])
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange, cliprange_high=None,
+                aggregation="micro-batch", denominator=None):
+    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), masked; cliprange_high: DAPO's clip-higher."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    high = cliprange if cliprange_high is None else cliprange_high
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    loss = aggregate_loss(torch.max(pg_losses, pg_losses2), mask, aggregation, denominator)
     with torch.no_grad():
         clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask)
         approxkl = 0.5 * masked_mean(logprobs_diff**2, mask)
@@ -530,8 +617,10 @@ def main(args: Args) -> None:
         episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
         # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`: the lr anneals linearly (N+ 29)
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
+        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the first updates leave the policy as it is
+        train_policy = update > args.value_warmup_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
-            group["lr"] = anneal * group["initial_lr"]
+            group["lr"] = anneal * group["initial_lr"] if train_policy or group["name"] != "policy" else 0.0
         lr = optimizer.param_groups[0]["lr"]  # the policy's
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
                                   args.num_generations)
@@ -556,11 +645,14 @@ def main(args: Args) -> None:
             # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 2. Scoring forwards: reference log-probs and values. The frozen bottom blocks (--num-trainable-layers) are
-            # the same in policy and reference: their output, kept from sampling or computed once, feeds every forward
+            # 2. Scoring forwards: reference log-probs and values (none without a critic). The frozen bottom blocks
+            # (--num-trainable-layers) are the policy's and the reference's: their output, kept from sampling or
+            # computed once, feeds every later forward
             trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
             ref_logprobs, values, full_kl_per_token = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks, kept)
+                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks, kept,
+                with_values=args.advantage_estimator == "gae")
+            values = torch.zeros_like(ref_logprobs) if values is None else values  # critic-free: no value forward
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form); a change to the score last
             scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
@@ -582,9 +674,22 @@ def main(args: Args) -> None:
             # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward sums it)
 
             # 5. GAE (ALGO LOGIC: another advantage estimator); returns before whitening, advantages 0 at padding
-            advantages, returns = compute_gae(whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else
-                                              rewards, values, args.gamma, args.lam)
-            advantages = whiten_advantages(advantages, padding_mask)
+            gae_rewards = whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else rewards
+            # ALGO LOGIC: VAPO's length-adaptive lambda, one per response ("Managing Heterogeneous Sequence Lengths")
+            lam = args.lam if args.lam_length_alpha is None else length_adaptive_lam(sequence_lengths,
+                                                                                     args.lam_length_alpha)
+            advantages, returns = compute_gae(gae_rewards, values, args.gamma, lam)
+            if args.lam_critic is not None:  # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own lambda
+                returns = compute_gae(gae_rewards, values, args.gamma, args.lam_critic)[1]
+            # ALGO LOGIC: DAPO's dynamic sampling (section 3.2): groups that all scored alike leave loss and whitening
+            judged = ~score_components.unjudged
+            dropped = equal_score_groups(scores, judged, args.num_generations) if args.dynamic_sampling else \
+                torch.zeros_like(judged)
+            if args.advantage_estimator == "gae":
+                advantages = whiten_advantages(advantages, padding_mask | dropped[:, None])
+            else:  # ALGO LOGIC: critic-free, each response's summed reward against its group's (TRL's RLOOTrainer)
+                advantages = group_advantages(rewards.sum(1), judged, args.num_generations, args.advantage_estimator)
+                advantages = advantages[:, None].expand_as(rewards).masked_fill(padding_mask | dropped[:, None], 0)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
             # the rollout as phase 6 trains on it and phase 7's metrics read it: a name phase 6 reassigns leaves it
             rollout = Rollout(query_responses=query_responses, response_ids=response_ids, trunks=trunks,
@@ -592,7 +697,9 @@ def main(args: Args) -> None:
                               padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
                               values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
                               advantages=advantages, returns=returns, scores=scores, trained_scores=trained_scores,
-                              contain_eos_token=contain_eos_token, score_components=score_components)
+                              contain_eos_token=contain_eos_token, score_components=score_components,
+                              dropped=dropped, positive=~(padding_mask | dropped[:, None]) & (
+                                  scores >= args.positive_threshold)[:, None])  # VAPO's positive examples
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
         timer = time.perf_counter()
@@ -603,6 +710,13 @@ def main(args: Args) -> None:
             if stop_early:
                 break
             b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)  # one copy, not one per step
+            denominators = None  # ALGO LOGIC: the token-level loss's (DAPO 3.3): each minibatch's tokens, once
+            if args.loss_aggregation != "micro-batch":  # per epoch, over all processes
+                rows = b_inds.view(args.num_mini_batches, -1)
+                counts = torch.stack([minibatch_counts(m, rows, args.loss_aggregation) for m in (
+                    ~(rollout.padding_mask | rollout.dropped[:, None]), rollout.positive)], 1)
+                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / (
+                    args.gradient_accumulation_steps * accelerator.num_processes)
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
                 micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
@@ -612,7 +726,9 @@ def main(args: Args) -> None:
                     continue
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id, shortcuts.fused_head)
+                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id, shortcuts.fused_head,
+                                                    train_policy, None if denominators is None else
+                                                    denominators[minibatch_idx])
                         finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
@@ -678,27 +794,40 @@ def main(args: Args) -> None:
         preemption.exit(console, update, folder.checkpoints)
 
 
-def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False):
+def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False,
+             train_policy: bool = True, denominators: torch.Tensor | None = None):
     """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value losses, their sum
     (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read a tensor on the host."""
     trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}  # the frozen blocks' output
     context_length = r.query_responses.size(1) - r.responses.size(1)
     new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
                                          r.response_ids[rows], args.temperature, trunks, fused_head)
-    padding_mask, padding_mask_p1 = r.padding_mask[rows], r.padding_mask_p1[rows]
+    # the tokens this step trains on: real, judged, of a group with a signal (--dynamic-sampling)
+    padding_mask = r.padding_mask[rows] | r.dropped[rows, None]
+    padding_mask_p1 = r.padding_mask_p1[rows] | r.dropped[rows, None]
     new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
     vpred = vpred.masked_fill(padding_mask_p1, 0)
+    token_denominator, positive_denominator = (None, None) if denominators is None else denominators
     pg_loss, pg_clipfrac, approxkl, ratio_mean = policy_loss(new_logprobs, r.logprobs[rows], r.advantages[rows],
-                                                             padding_mask, args.cliprange)
+                                                             padding_mask, args.cliprange, args.cliprange_high,
+                                                             args.loss_aggregation, token_denominator)
     vf_loss, vf_clipfrac = value_loss(vpred, r.values[rows], r.returns[rows], padding_mask_p1, args.cliprange_value)
     stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac, "loss/policy_avg": pg_loss,
              "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
-             "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean}
-    loss = pg_loss + args.vf_coef * vf_loss  # no KL loss term: the KL is in the rewards (as TRL)
+             "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean,
+             "active": (~padding_mask).any().float()}  # a micro-batch with a real token (`gathered_metrics`)
+    # no KL loss term: the KL is in the rewards (as TRL); critic-free (grpo, rloo): no value loss
+    loss = pg_loss + (args.vf_coef if args.advantage_estimator == "gae" else 0.0) * vf_loss
     # ALGO LOGIC: a loss term goes here, as this entropy bonus (OpenRLHF, verl; TRL had none)
     if args.ent_coef != 0:
         stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
         loss = loss - args.ent_coef * stats["loss/entropy_avg"]
+    if args.positive_lm_coef != 0:  # ALGO LOGIC: VAPO's positive-example LM loss: the NLL of `r.positive`'s tokens
+        stats["loss/positive_lm_avg"] = aggregate_loss(-new_logprobs, r.positive[rows], args.loss_aggregation,
+                                                       positive_denominator)
+        loss = loss + args.positive_lm_coef * stats["loss/positive_lm_avg"]
+    if not train_policy:  # VC-PPO's value pretraining: the value loss alone; 0 x the rest keeps DDP's graph whole
+        loss = args.vf_coef * vf_loss + 0.0 * loss
     return loss, stats
 
 
@@ -724,11 +853,16 @@ class Rollout(NamedTuple):
     trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
     contain_eos_token: torch.Tensor | None
     score_components: dict  # each reward's own score (NaN: its None)
+    dropped: torch.Tensor  # rows --dynamic-sampling left out of the loss (all False without it)
+    positive: torch.Tensor  # the tokens of VAPO's positive examples (--positive-lm-coef): trained, scoring high
 
 
 def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                      step_stats: list[dict]) -> dict:
-    """The update's metrics by name (TRL's): per-process scalars in `local`, averaged over processes in one gather."""
+    """The update's metrics by name (TRL's), gathered as sums and counts in one gather, so processes may hold different
+    numbers of micro-batches: a per-process scalar of `local` is averaged over processes; a micro-batch statistic is
+    averaged over the micro-batches of all processes that held a real token (a micro-batch emptied by unjudged rows or
+    --dynamic-sampling is left out)."""
     real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
         "objective/kl": r.kl.sum(1).mean(),
@@ -741,17 +875,33 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                                    torch.zeros((), device=r.scores.device)),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
         "objective/unjudged_rows": n * r.score_components.unjudged.sum().float(),  # left out: no reward judged them
-        # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes; the means of `stats`:
-        **{k: torch.stack([s[k] for s in step_stats]).mean() for k in (step_stats[0] if step_stats else ())
-           if k != "ratio"},
+        # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes
     }
     if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
         local["objective/scaled_scores"] = r.trained_scores.mean()
-    local = {k: torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for k, v in local.items()}
-    metrics = dict(zip(local, accelerator.gather(torch.stack(list(local.values())).unsqueeze(0)).mean(0).tolist()))
-    ratios = accelerator.gather(torch.stack([s["ratio"] for s in step_stats])) if step_stats else torch.ones(1)
-    return {**metrics, "val/ratio": ratios.mean().item(), "val/ratio_var": ratios.var().item() if ratios.numel() > 1
-            else 0.0,
+    if args.dynamic_sampling:  # the share of responses whose group carried no signal
+        local["val/dynamic_sampling_dropped"] = r.dropped.float().mean()
+    keys = sorted(set().union(*gather_object([sorted(step_stats[0]) if step_stats else []])) - {"ratio", "active"})
+    active = torch.stack([s["active"] for s in step_stats]).double() if step_stats else torch.zeros(0).double()
+    ratios = torch.stack([s["ratio"] for s in step_stats]).double() if step_stats else torch.zeros(0).double()
+    sums = {k: torch.as_tensor(v).double() for k, v in local.items()}
+    sums.update({k: (torch.stack([s[k] for s in step_stats]).double() * active).sum() if step_stats else
+                 torch.zeros((), dtype=torch.float64) for k in keys})
+    sums.update({"val/ratio": (ratios * active).sum(), "val/ratio_sq": (ratios ** 2 * active).sum(),
+                 "val/explained_variance": explained_variance_sums(r.values, r.returns, ~r.padding_mask_p1)})
+    counts = {**{k: 1.0 for k in local}, **{k: active.sum().item() for k in [*keys, "val/ratio"]}}
+    flat = torch.cat([torch.cat([v.reshape(-1).cpu() for v in sums.values()]), torch.tensor(list(counts.values()))])
+    flat = accelerator.gather(flat.to(accelerator.device).unsqueeze(0)).sum(0).cpu()
+    sizes = [v.numel() for v in sums.values()]
+    total = dict(zip(sums, flat[:sum(sizes)].split(sizes)))
+    count = dict(zip(counts, flat[sum(sizes):].tolist()))  # each key's, summed over processes
+    metrics = {k: (total[k].item() / count[k] if count[k] else 0.0) for k in local}
+    metrics.update({k: total[k].item() / count[k] for k in keys if count[k]})
+    m = count["val/ratio"]
+    ratio_mean = total["val/ratio"].item() / m if m else 1.0
+    return {**metrics, "val/ratio": ratio_mean,
+            "val/ratio_var": (total["val/ratio_sq"].item() - m * ratio_mean ** 2) / (m - 1) if m > 1 else 0.0,
+            "val/explained_variance": explained_variance(total["val/explained_variance"]),
             # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
             **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
 
@@ -809,6 +959,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
                         accelerator.num_processes, args.total_episodes)
+    if args.value_warmup_updates >= sizes.num_updates:
+        raise ValueError(f"--value-warmup-updates {args.value_warmup_updates}: the run has {sizes.num_updates} "
+                         "updates, so the policy would never train")
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     compiled = should_compile(args, accelerator, sizes.num_updates)  # --compile auto: CUDA, and a run long enough
@@ -966,6 +1119,18 @@ def check_args(args: Args) -> None:
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
+    critic_free = args.advantage_estimator != "gae"
+    for flag, value, needs in [("advantage_estimator", args.advantage_estimator, critic_free),
+                               ("dynamic_sampling", args.dynamic_sampling, args.dynamic_sampling)]:
+        if needs and args.num_generations < 2:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} compares the responses of one prompt: "
+                             "give --num-generations 2 or more")
+    for flag in ("value_warmup_updates", "lam_critic", "lam_length_alpha"):
+        if critic_free and getattr(args, flag) not in (None, 0):
+            raise ValueError(f"--{flag.replace('_', '-')} acts on the critic's GAE: --advantage-estimator "
+                             f"{args.advantage_estimator} has no critic")
+    if args.positive_lm_coef == 0 and args.positive_threshold != 1.0:
+        raise ValueError("--positive-threshold selects the responses of --positive-lm-coef: give it a coefficient")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if local_batch_size % args.num_generations:  # a process holds whole groups, so group advantages need no gather
         raise ValueError(f"--num-generations {args.num_generations} must divide the {local_batch_size} responses each "
@@ -1588,7 +1753,7 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
                                     r.response_ids[mbi], args.temperature,
                                     trunk=None if trunk is None else (trunk[0][mbi], trunk[1]),
                                     fused_head=models.shortcuts.fused_head)[0]
-            real = ~r.padding_mask[mbi]
+            real = ~(r.padding_mask[mbi] | r.dropped[mbi, None])  # the tokens phase 6 trains on
             total += torch.stack([(torch.exp(new - r.logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
     return (total[0] / total[1]).item() > args.ratio_threshold

@@ -359,14 +359,27 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
     return advantages, advantages + values
 
 
-def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange):
-    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), all masked (TRL averaged over padding)."""
+def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "micro-batch",
+                   denominator: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token or sequence, the sum
+    of tokens' losses or sequences' means / `denominator` (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
+    if aggregation == "micro-batch":
+        return masked_mean(losses, mask)
+    if aggregation == "token":
+        return (losses * mask).sum() / denominator
+    return ((losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / denominator
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange, cliprange_high=None,
+                aggregation="micro-batch", denominator=None):
+    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), masked; cliprange_high: DAPO's clip-higher."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    high = cliprange if cliprange_high is None else cliprange_high
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    loss = aggregate_loss(torch.max(pg_losses, pg_losses2), mask, aggregation, denominator)
     with torch.no_grad():
         clipfrac = masked_mean((pg_losses2 > pg_losses).float(), mask)
         approxkl = 0.5 * masked_mean(logprobs_diff**2, mask)

@@ -89,6 +89,9 @@ TLDR = ["--sft-model-path", f"{A}/gpt_neox_sft", "--reward-model-path", f"{A}/rm
         "--total-episodes", "64", *BATCH, *"--eval-samples 5 --eval-every 2 --stop-token eos --missing-eos-rule "
         "replace --penalty-reward-value -2.0 --seed 3 --kl-coef 0.1 --cliprange 0.3 --vf-coef 0.5 "
         "--cliprange-value 0.5 --gamma 0.99 --lam 0.9 --temperature 0.9 --max-grad-norm 0.5".split()]
+REASONING = ("--num-generations 2 --value-warmup-updates 1 --lam 0.9 --lam-critic 1.0 --lam-length-alpha 0.5 "
+             "--cliprange-high 0.28 --loss-aggregation token --positive-lm-coef 0.1 --positive-threshold 0.2 "
+             "--dynamic-sampling").split()
 ONE_CPU_BF16 = ["--cpu", "--mixed_precision", "bf16", "--num_processes", "1"]
 CONFIGS = {  # name: (script, launcher: None, accelerate launch flags or an accelerate_configs/ file, args)
     "rm_value": ("ppo.py", None, [*BASE, "--reward-model-path", f"{A}/gpt_neox_rm", "--save-every", "1"]),
@@ -112,6 +115,12 @@ CONFIGS = {  # name: (script, launcher: None, accelerate launch flags or an acce
     "ddp2": ("ppo.py", "multi_cpu.yaml", [*BASE, "--reward-fn", RFN, "--shared-value-head"]),
     "default_smollm2": ("ppo.py", None, ["--total-episodes", "32", "--eval-samples", "8", "--eval-every", "1",
                                          "--num-mini-batches", "8"]),  # one update of 128, not the default's 512
+    # the reasoning flags, all on (VC-PPO, VAPO, DAPO), then the critic-free baselines; over two processes too
+    "reasoning": ("ppo.py", None, [*BASE, "--reward-fn", RFN, *REASONING]),
+    "reasoning_grpo": ("ppo.py", None, [*BASE, "--reward-fn", RFN, *"--num-generations 4 --advantage-estimator grpo "
+                                        "--loss-aggregation sequence --cliprange-high 0.28 --dynamic-sampling".split()]),
+    "reasoning_ddp2": ("ppo.py", "multi_cpu.yaml", [*BASE, "--reward-fn", RFN, "--shared-value-head", *REASONING,
+                                                    "--total-episodes", "64"]),  # 2 updates of 32
     "tldr": ("ppo_tldr.py", None, TLDR),
     "tldr_zero3": ("ppo_tldr.py", "deepspeed_zero3.yaml", TLDR),
     "tldr_bf16": ("ppo_tldr.py", ONE_CPU_BF16, TLDR),

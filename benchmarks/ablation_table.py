@@ -1,0 +1,147 @@
+"""The ablation's table and plot from runs/ablation/<row>/s<seed>/ (benchmarks/ablation.py's runs).
+
+    python benchmarks/ablation_table.py                       # the Markdown table, printed; the plot beside it
+    python benchmarks/ablation_table.py -o benchmarks/ablation.png --markdown runs/ablation/table.md
+
+Per row, over its finished seeds: held-out accuracy (eval/scores: the reward, 1 for a right answer) before training and
+after the last update, as mean ± SD [min, max]; the gain; the mean response length of the last rollout; the critic's
+explained variance at the last update; the largest rollout KL (objective/kl) of any update and seed; wall time per run.
+"vs plain PPO" compares the final accuracy with the task's plain-PPO row: "exceeds" where the seed ranges do not
+overlap, else "within spread" (3 seeds: only a large effect can show). The plot: held-out accuracy against the response
+tokens sampled so far, one line per row (the seeds' mean; the band is their range).
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(run: Path):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    record = json.loads((run / "run.json").read_text())
+    return rows, record
+
+
+def curve(rows) -> list[tuple[float, float]]:
+    """(response tokens sampled so far, held-out accuracy) at each evaluation."""
+    tokens, previous_episode, points = 0.0, 0, []
+    for r in rows:
+        if r["update"] > 0 and "val/response_length" in r:
+            tokens += (r["episode"] - previous_episode) * r["val/response_length"]
+            previous_episode = r["episode"]
+        if "eval/scores" in r:
+            points.append((tokens, r["eval/scores"]))
+    return points
+
+
+def summary(values):
+    if not values:
+        return None
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return dict(mean=statistics.fmean(values), sd=sd, lo=min(values), hi=max(values), n=len(values))
+
+
+def fmt(s, digits=3):
+    if s is None:
+        return "-"
+    return f"{s['mean']:.{digits}f} ± {s['sd']:.{digits}f} [{s['lo']:.{digits}f}, {s['hi']:.{digits}f}]"
+
+
+def rows_of(folder: Path):
+    table = {}
+    for row_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+        runs = []
+        for run in sorted(row_dir.glob("s*")):
+            if (run / "run.json").exists() and json.loads((run / "run.json").read_text())["returncode"] == 0:
+                runs.append(load(run))
+        if runs:
+            table[row_dir.name] = runs
+    return table
+
+
+def stats(runs):
+    before = [next(r["eval/scores"] for r in rows if r["update"] == 0) for rows, _ in runs]
+    after = [[r for r in rows if "eval/scores" in r][-1]["eval/scores"] for rows, _ in runs]
+    updates = [[r for r in rows if r["update"] > 0] for rows, _ in runs]
+    return dict(
+        before=summary(before), after=summary(after), gain=summary([a - b for a, b in zip(after, before)]),
+        length=summary([u[-1]["val/response_length"] for u in updates]),
+        ev=summary([u[-1]["val/explained_variance"] for u in updates if "val/explained_variance" in u[-1]]),
+        max_kl=max(max(r["objective/kl"] for r in u) for u in updates),
+        wall=statistics.fmean(record["wall_s"] for _, record in runs), seeds=len(runs),
+        commits=sorted({record.get("commit", "?") for _, record in runs}),
+        curves=[curve(rows) for rows, _ in runs])
+
+
+def verdict(row, base):
+    if row is base:
+        return "(baseline)"
+    a, b = row["after"], base["after"]
+    if a["n"] < 2 or b["n"] < 2:
+        return "too few seeds"
+    if a["lo"] > b["hi"]:
+        return "exceeds: higher"
+    if a["hi"] < b["lo"]:
+        return "exceeds: lower"
+    return "within spread"
+
+
+def markdown(table):
+    lines = ["| row | seeds | held-out accuracy before | after | gain | response length | explained variance | "
+             "max KL | wall time | final accuracy vs plain PPO |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in table.items():
+        base = table.get(name.split("-")[0] + "-ppo")
+        lines.append(f"| {name} | {s['seeds']} | {fmt(s['before'])} | {fmt(s['after'])} | {fmt(s['gain'])} | "
+                     f"{fmt(s['length'], 1)} | {fmt(s['ev'], 2)} | {s['max_kl']:.2f} | {s['wall'] / 60:.1f} min | "
+                     f"{verdict(s, base) if base else '-'} |")
+    commits = sorted({c for s in table.values() for c in s["commits"]})
+    lines.append(f"\nruns at commit(s) {', '.join(commits)}")
+    return "\n".join(lines)
+
+
+def plot(table, output: Path):
+    tasks = sorted({name.split("-")[0] for name in table})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for name, s in table.items():
+            if not name.startswith(task + "-"):
+                continue
+            points = min(len(c) for c in s["curves"])
+            xs = [statistics.fmean(c[i][0] for c in s["curves"]) for i in range(points)]
+            ys = [[c[i][1] for c in s["curves"]] for i in range(points)]
+            style = "-" if name.endswith(("-ppo", "-vapo", "-grpo", "-rloo")) else ":"
+            line, = ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", label=name[len(task) + 1:])
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.08)
+        ax.set(title=f"{task} task", xlabel="response tokens sampled", ylabel="held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
+    parser.add_argument("-o", "--output", default=str(ROOT / "runs" / "ablation" / "ablation.png"))
+    parser.add_argument("--markdown", help="also write the table here")
+    args = parser.parse_args()
+    table = {name: stats(runs) for name, runs in rows_of(Path(args.runs)).items()}
+    if not table:
+        raise SystemExit(f"no finished runs under {args.runs}")
+    text = markdown(table)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    plot(table, Path(args.output))
+    print(f"plot: {args.output}")
+
+
+if __name__ == "__main__":
+    main()
