@@ -346,9 +346,9 @@ def report(results: list[dict], args: Args) -> str:
     for r in done:
         trl = [t for t in done if t["run"].startswith("TRL") and t["run"].endswith(r["run"].split()[1])]
         if r["run"].startswith("ppo.py") and trl and "profile" not in r:
-            lines.append(f"\n{r['run']} / {trl[0]['run']}: episodes/s (updates 2..) {r['eps'] / trl[0]['eps']:.2f}x, "
-                         f"full run {r['full_eps'] / trl[0]['full_eps']:.2f}x, peak memory "
-                         f"{r['peak_gb'] / trl[0]['peak_gb']:.2f}x")
+            ratio = lambda key: f"{r[key] / trl[0][key]:.2f}x" if trl[0][key] else "-"  # noqa: E731 (CPU: no GPU memory)
+            lines.append(f"\n{r['run']} / {trl[0]['run']}: episodes/s (updates 2..) {ratio('eps')}, full run "
+                         f"{ratio('full_eps')}, peak memory {ratio('peak_gb')}")
         if "profile" in r:
             p = r["profile"]
             lines.append(f"\n{r['run']}: per optimizer step in the PPO epochs of updates {p['updates']}: "
