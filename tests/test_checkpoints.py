@@ -13,7 +13,7 @@ import torch
 import tyro
 
 import ppo
-from conftest import ROOT, run_ppo, without_wall_clock
+from conftest import ROOT, run_ppo, tiny_args, without_wall_clock
 from conftest import tiny_args as args_for
 
 
@@ -182,3 +182,24 @@ def test_remote_code_runs_only_when_allowed(tmp_path):
     assert not marker.exists()
     ppo.check_scalar_model(str(repo), "value model", require_head=False, trust_remote_code=True)
     assert marker.exists()
+
+
+def test_the_quick_checks_resume_finds_state_left_out_of_the_checkpoint(assets, tmp_path):
+    """The quick check's resume case on a copy whose reference is reset to the policy at the start of update 3
+    without being checkpointed (`accelerator.register_for_checkpointing`): the run resumed from checkpoint 3 trains
+    update 4 against the SFT reference, and the check fails."""
+    from test_quick import resumes_give_the_same_run
+
+    source = (ROOT / "ppo.py").read_text()
+    marker = "        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef)"
+    assert source.count(marker) == 1
+    reset = "        if update == 3:\n            models.ref_policy.load_state_dict(models.policy.state_dict())\n"
+    script = ROOT / f"ppo_reset_{os.getpid()}.py"  # a copy beside ppo.py, as a copier makes one
+    script.write_text(source.replace(marker, reset + marker))
+    try:
+        args = tiny_args(assets, "--eval-samples", "0", "--num-trainable-layers", "1", "--shared-value-head",
+                         "--total-episodes", "64", "--save-every", "1")
+        with pytest.raises(AssertionError):
+            resumes_give_the_same_run(args, tmp_path, script.name)
+    finally:
+        script.unlink()

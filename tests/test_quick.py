@@ -1,8 +1,9 @@
-"""The quick check after an edit (under two minutes on 2 CPU cores): each script, or an edited copy of it, trains
-short runs on tiny models: one through the speed layer and one with --no-fast-paths agree update by update (a copier's
-edited forward switches the shortcuts off, so the two still agree); a resume from the second update's checkpoint gives
-the third update again (what the loop keeps across updates is in the checkpoint); and at learning rate 0 the policy
-is the reference, so the ratio is 1 and the KL 0 (sampling's log-probs are training's: the rollout is on-policy).
+"""The quick check after an edit (about two minutes a script on 2 CPU cores): each script, or an edited copy of
+it, trains short runs on tiny models. One through the speed layer and one with --no-fast-paths agree update by
+update (a copier's edited forward switches the shortcuts off, so the two still agree). A run of four updates
+resumed from its second and from its third checkpoint gives the rest of the run again, its final model too (what
+the loop keeps across updates is in the checkpoint). At learning rate 0 the policy is the reference, so the ratio
+is 1 and the KL 0 (sampling's log-probs are training's: the rollout is on-policy).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q -p no:cacheprovider
     PPO_SCRIPT=my_ppo.py PPO_ARGS="--my-flag 0.3" HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
@@ -13,6 +14,8 @@ import os
 import shlex
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import assert_same_run, run_ppo, tiny_args
 from test_tldr import tiny_args as tldr_args
@@ -47,15 +50,29 @@ def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forward
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
-def test_a_resume_from_the_second_updates_checkpoint_gives_the_third_update_again(request, assets, tmp_path, kind):
-    """State the loop carries from one update to the next (its ALGO LOGIC marker at the checkpoint) must be saved:
-    the third update, resumed into a new folder, is the whole run's (state set at update 2 included)."""
-    args = [*quick_args(request, assets, kind, updates=3), "--save-every", "1"]
-    _, whole = run_ppo(args, tmp_path / "whole", script=SCRIPTS[kind])
-    second = tmp_path / "whole" / "checkpoints" / "update-000002"
-    _, resumed = run_ppo([*args, "--resume", str(second)], tmp_path / "resumed", script=SCRIPTS[kind])
-    assert len(whole) == 3 and [r["update"] for r in resumed] == [3]
-    assert_same_run(resumed, whole[2:], rel=1e-6)
+def test_a_resume_from_any_late_checkpoint_gives_the_rest_of_the_run_again(request, assets, tmp_path, kind):
+    """State the loop carries from one update to the next (its ALGO LOGIC markers at the checkpoint and after
+    `start_run`) must be saved: a run of 4 updates resumed into a new folder from its second and from its third
+    checkpoint gives the same later updates and the same final model. State set at any update up to the third (a
+    reference reset every k updates, say) is lost by one of these resumes if the checkpoint lacks it."""
+    resumes_give_the_same_run([*quick_args(request, assets, kind, updates=4), "--save-every", "1"], tmp_path,
+                              SCRIPTS[kind])
+
+
+def resumes_give_the_same_run(args: list[str], tmp_path, script: str) -> None:
+    """A 4-update run, then resumed from its checkpoints 2 and 3 into new folders: the same later updates (metrics
+    to 1e-6) and the same final model."""
+    _, whole = run_ppo(args, tmp_path / "whole", script=script)
+    assert len(whole) == 4
+    final = load_file(tmp_path / "whole" / "model.safetensors")
+    for k in (2, 3):
+        checkpoint = tmp_path / "whole" / "checkpoints" / f"update-{k:06d}"
+        _, resumed = run_ppo([*args, "--resume", str(checkpoint)], tmp_path / f"from-{k}", script=script)
+        assert [r["update"] for r in resumed] == list(range(k + 1, 5))
+        assert_same_run(resumed, whole[k:], rel=1e-6)
+        model = load_file(tmp_path / f"from-{k}" / "model.safetensors")
+        assert model.keys() == final.keys() and all(torch.allclose(model[n], final[n], rtol=1e-6, atol=1e-7)
+                                                    for n in final), f"the final model differs after a resume from {k}"
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])

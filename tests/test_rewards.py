@@ -10,6 +10,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GPT
                           GPTNeoXForSequenceClassification)
 
 import ppo
+from ppo_harness import tokenizers
 from conftest import REWARD_FN, TINY, WORDS, make_tokenizer, run_ppo
 
 # The policy's chat format (ChatML, as SmolLM2 and Qwen): <|im_end|> ends a turn and is not the eos token.
@@ -100,9 +101,9 @@ def test_chat_prompts_are_rendered_with_the_template():
     prefix = messages + [{"role": "assistant", "content": "w5 w6"}]
     assert ppo.encode_prompts(tok, [prefix]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7]]
     assert ppo.encode_prompts(tok, [prefix, messages]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7], expected]  # per prompt
-    assert ppo.is_chat([messages[0]], "auto") and ppo.is_chat("w3", "true") and not ppo.is_chat("w3", "auto")
+    assert tokenizers.is_chat([messages[0]], "auto") and tokenizers.is_chat("w3", "true") and not tokenizers.is_chat("w3", "auto")
     with pytest.raises(ValueError, match="--apply-chat-template false"):
-        ppo.is_chat(messages, "false")
+        tokenizers.is_chat(messages, "false")
     with pytest.raises(ValueError, match="unknown role"):
         ppo.encode_prompts(tok, [[{"role": "narrator", "content": "w3"}]])
     with pytest.raises(ValueError, match="not of {'role', 'content'} messages"):
@@ -112,23 +113,23 @@ def test_chat_prompts_are_rendered_with_the_template():
 
 
 def test_end_of_turn_token_is_derived_from_the_template():
-    assert ppo.end_of_turn_token_id(chat_tokenizer()) == 32  # <|im_end|>, not the eos (0)
-    assert ppo.end_of_turn_token_id(foreign_tokenizer()) == 1  # [end]
+    assert tokenizers.end_of_turn_token_id(chat_tokenizer()) == 32  # <|im_end|>, not the eos (0)
+    assert tokenizers.end_of_turn_token_id(foreign_tokenizer()) == 1  # [end]
     plain = make_tokenizer(pad=False)
     plain.chat_template = "{% for m in messages %}{{ m['content'] }} <eos> {% endfor %}"
-    assert ppo.end_of_turn_token_id(plain) == 0  # the template ends turns with eos itself
+    assert tokenizers.end_of_turn_token_id(plain) == 0  # the template ends turns with eos itself
     plain.chat_template = "{% for m in messages %}{{ m['content'] }} w5 {% endfor %}"
-    assert ppo.end_of_turn_token_id(plain) == 0  # an ordinary word is no end-of-turn token: fall back to eos
+    assert tokenizers.end_of_turn_token_id(plain) == 0  # an ordinary word is no end-of-turn token: fall back to eos
 
 
 def test_same_tokenizer_compares_vocabularies_and_templates():
     tok = chat_tokenizer()
-    assert ppo.same_tokenizer(tok, chat_tokenizer(), chat=True)
-    assert not ppo.same_tokenizer(tok, foreign_tokenizer(), chat=False)
+    assert tokenizers.same_tokenizer(tok, chat_tokenizer(), chat=True)
+    assert not tokenizers.same_tokenizer(tok, foreign_tokenizer(), chat=False)
     other_template = chat_tokenizer()
     other_template.chat_template = RM_TEMPLATE
-    assert not ppo.same_tokenizer(tok, other_template, chat=True)
-    assert ppo.same_tokenizer(tok, other_template, chat=False)  # text prompts never meet the template
+    assert not tokenizers.same_tokenizer(tok, other_template, chat=True)
+    assert tokenizers.same_tokenizer(tok, other_template, chat=False)  # text prompts never meet the template
 
 
 def test_reward_names_are_unique():
@@ -158,7 +159,7 @@ def plain_score(rm, rm_tok, text: str, add_special_tokens: bool = False) -> floa
 
 
 def test_reward_model_texts_and_scores_match_plain_calls(chat):
-    tok, rm_tok = chat_tokenizer(), ppo.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=True)
+    tok, rm_tok = chat_tokenizer(), tokenizers.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=True)
     assert rm_tok.pad_token == "[end]"  # no pad token: its eos pads (masked out)
     rm = AutoModelForSequenceClassification.from_pretrained(chat["rm_other"]).eval()
     prompts = [[{"role": "user", "content": "w3 w4 w5"}], [{"role": "system", "content": "w1"},
@@ -195,7 +196,7 @@ def test_encoder_reward_model_pools_by_itself():
     torch.manual_seed(0)
     rm = BertForSequenceClassification(BertConfig(vocab_size=35, hidden_size=32, num_hidden_layers=2,
                                                   num_attention_heads=2, intermediate_size=64, num_labels=1)).eval()
-    rm_tok = ppo.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=False)
+    rm_tok = tokenizers.prepare_reward_tokenizer(foreign_tokenizer(), "rm", chat=False)
     texts = ["w3 w4 w5 w7", "w9", "w1 w2"]
     with torch.no_grad():
         scores = ppo.text_reward_scores(rm, rm_tok, texts, 64, True, "cpu")

@@ -27,6 +27,8 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "value_forward": "minus the score bias the value model inherits from the reward model (N+ detail 18)",
 }
 SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
+    "Models": "TL;DR's models are named without a record of rewards (`named`)",
+    "ppo_loss": "no value warm-up and no token-level denominators: the reasoning flags are ppo.py's",
     "PolicyAndValueWrapper": "no value head to take",
     "score_responses": "one reward model on the policy's token ids, not `Rewards` on the rollout's rows and step",
     "value_forward": "no `head` (TL;DR has no --shared-value-head), no frozen trunk",
