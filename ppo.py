@@ -5,7 +5,6 @@
 # TRL PPOTrainer's; "N+ detail k": Huang et al. (2024), arXiv 2403.17031.
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -25,26 +24,26 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start
-from ppo_harness.models import (check_scalar_model, check_sft_adapters, check_weight_files, checkpoint_adapters,
-                                gathered_for_init, outside_zero_init, policy_for_generation, resolve_model_path,
-                                shard_frozen, transformer_blocks, unpeft)
+from ppo_harness.models import (check_scalar_model, gathered_for_init, model_files, outside_zero_init,
+                                policy_for_generation, shard_frozen, transformer_blocks, unpeft)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
                                       load_prompt_dataset, repeated_prompts)
-from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns,
-                                      check_some_row_judged, function_scores, unjudged_rows)
+from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns, check_some_row_judged,
+                                      function_scores, unjudged_rows)
 from ppo_harness.reward_fns import load_reward_fn, reward_names
-from ppo_harness.reward_logs import RewardComponents, RewardLogs, held_out_metrics, reward_means, sample_rows
+from ppo_harness.reward_logs import (RewardComponents, RewardLogs, held_out_metrics, reward_means,
+                                     sample_rows)
 from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
 from ppo_harness.run_log import FiniteLosses, RunLog
-from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
 from ppo_harness.speed import (HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
                                frozen_trunk, head_logprobs, keep_states, kept_states, on_device,
                                prefill_shared_prefix, ready_to_compile, should_compile)
+from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 INVALID_LOGPROB = 1.0
@@ -54,8 +53,8 @@ RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run
     "trust_remote_code", "ds3_gather_for_generation", "gradient_checkpointing", "merge_adapter", "compile"}
 
 
-@dataclass
 # ALGO LOGIC: a new flag: a field and its docstring; a number's interval: Annotated[int, "[0, 9)"]
+@dataclass
 class Args:
     # common args
     exp_name: str = Path(__file__).stem
@@ -655,43 +654,40 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 
 # ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -----------------
 def main(args: Args) -> None:
-    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads, then the models and the
-    # shortcuts' checks
+    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models; their shortcuts
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
     model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
     sizes, device = setup.sizes, accelerator.device
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
-    # the training step is the page's own `ppo_loss`: compiled whole by --compile (forward, losses
-    # and backward)
-    training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False) if setup.compiled else ppo_loss
-    # each rank samples with its own seed (N+ detail 8); the data order is shared
-    # (`rollout_indices`)
+    # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
+    training_loss = ppo_loss
+    if setup.compiled:
+        training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+    # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
-    # minibatch permutations use numpy: TRL never seeded it, so runs differed
-    np.random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations: TRL never seeded numpy, so runs differed
     torch.manual_seed(local_seed)
-    # TRY NOT TO MODIFY: a resumed checkpoint's weights, optimizer and random states; logs, banner,
-    # SIGTERM
-    run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards),
-                    banner_notes(setup) + list(shortcuts.notes), setup.sft_model_path)
-    # ALGO LOGIC: state kept across updates, restored here from a resumed checkpoint (saved in phase
-    # 8)
+    # TRY NOT TO MODIFY: a resume's weights, optimizer and random states; the logs; banner; SIGTERM
+    notes = banner_notes(setup) + list(shortcuts.notes)
+    run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards), notes,
+                    setup.sft_model_path)
+    # ALGO LOGIC: state kept across updates: restored here from a resumed checkpoint (saved in 8.)
     kl_coef = args.kl_coef if run.saved is None else run.saved["kl_coef"]
     score_moments = RunningMoments(**(run.saved or {}).get("score_moments", {}))
-    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples else None
-    # the initial policy's held-out score, as update 0
-    if run.start_update == 1 and args.eval_samples > 0:
-        run.log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, run.log)})
+    eval_queries = None
+    if args.eval_samples > 0:
+        eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
+        if run.start_update == 1:  # the initial policy's held-out score, logged as update 0
+            held_out = evaluate(accelerator, models, args, setup, eval_queries, 0, run.log)
+            run.log.log(0, {"episode": 0, **held_out})
     for update in range(run.start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         last = update == sizes.num_updates  # an early end sets `last` in phase 7
-        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`; the lr anneals
-        # linearly (N+ 29)
-        anneal = 1.0 - (update - 1.0) / sizes.num_updates
-        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the first updates leave the
-        # policy alone
+        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`
+        anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
+        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the policy waits, lr 0
         train_policy = update > args.value_warmup_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
             trains = train_policy or group["name"] != "policy"
@@ -700,43 +696,41 @@ def main(args: Args) -> None:
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed,
                                   accelerator.process_index, args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
-        # compiled, every update has the run's widest prompt (`Setup.query_width`): one compilation
+        # compiled, every update is as wide as the widest prompt (`Setup.query_width`): one compile
         queries = left_pad(batch_rows["input_ids"], pad_token_id, setup.query_width).to(device)
         context_length = queries.size(1)
-        # dropout is off already; eval() only spares generation the train-mode code paths
-        model.eval()
+        model.eval()  # dropout is off already; eval() only spares generation train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # 1. Rollout: sample responses in chunks, keeping each token's log-prob; cut after the
-            # stop token
-            responses, logprobs, kept = sample_responses(accelerator, model, queries, args, setup.zero3,
-                                                         pad_token_id, stop_token_id, shortcuts)
-            if setup.compiled:  # every update as wide as --response-length: the step compiles once
+            # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after the stop token
+            responses, logprobs, kept = sample_responses(accelerator, model, queries, args,
+                                                         setup.zero3, pad_token_id, stop_token_id,
+                                                         shortcuts)
+            if setup.compiled:  # every update as wide as --response-length: one compilation
                 width = args.response_length - responses.size(1)
                 responses = F.pad(responses, (0, width), value=pad_token_id)
                 logprobs = F.pad(logprobs, (0, width), value=INVALID_LOGPROB)
                 kept = {name: F.pad(states, (0, 0, 0, width)) for name, states in kept.items()}
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
-            # the index of the last real token (-1: empty)
+            # the index of each response's last real token (-1: an empty response)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1
-            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked
-            # anyway)
+            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked later)
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
             # frozen bottom blocks (--num-trainable-layers) are the policy's and the reference's:
-            # their output, kept from sampling or computed once here, feeds every later forward
+            # their output, kept from sampling or run once here, feeds every later forward
             trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
             ref_logprobs, values, full_kl_per_token = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id, shortcuts, trunks,
-                kept, with_values=args.advantage_estimator == "gae")
+                models, query_responses, response_ids, context_length, args, pad_token_id,
+                shortcuts, trunks, kept, with_values=args.advantage_estimator == "gae")
             if values is None:  # critic-free: no value forward
                 values = torch.zeros_like(ref_logprobs)
 
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form)
-            scores, score_components = score_responses(setup.rewards, queries, responses, batch_rows,
-                                                       update - 1)
+            scores, score_components = score_responses(setup.rewards, queries, responses,
+                                                       batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
             contain_eos_token = None
             if setup.eos_check_id is not None:
@@ -744,155 +738,148 @@ def main(args: Args) -> None:
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
 
-            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
+            # 4. KL-penalised per-token rewards (careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
-            # a row no reward judged: out of the loss and the statistics, as TRL
+            # a row no reward judged leaves the loss and the statistics, as in TRL
             unjudged = score_components.unjudged[:, None]
             padding_mask, padding_mask_p1 = padding_mask | unjudged, padding_mask_p1 | unjudged
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
-            # scaled here (score scaling, --score-clip): a change to `scores` below is only logged
+            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
+                          args.kl_estimator)
+            # scaled here (score scaling, --score-clip): a later change to `scores` is only logged
             trained_scores = scale_scores(scores, score_moments, args, accelerator)
-            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
-            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward
-            # sums it)
+            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef,
+                                                        sequence_lengths)
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward)
 
             # 5. GAE; returns before the whitening, advantages 0 at padding
-            gae_rewards = whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else rewards
+            gae_rewards = rewards
+            if args.whiten_rewards:
+                gae_rewards = whiten_rewards(rewards, padding_mask_p1)
             lam = args.lam
-            # ALGO LOGIC: VAPO's length-adaptive lambda, per response
-            if args.lam_length_alpha is not None:
+            if args.lam_length_alpha is not None:  # ALGO LOGIC: VAPO's length-adaptive lambda
                 lam = length_adaptive_lam(sequence_lengths, args.lam_length_alpha)
             advantages, returns = compute_gae(gae_rewards, values, args.gamma, lam)
-            # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own lambda
-            if args.lam_critic is not None:
+            if args.lam_critic is not None:  # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own
                 returns = compute_gae(gae_rewards, values, args.gamma, args.lam_critic)[1]
-            # ALGO LOGIC: DAPO's dynamic sampling (3.2): groups that all scored alike leave loss and
-            # whitening
+            # ALGO LOGIC: DAPO's dynamic sampling (3.2): groups that all scored alike leave the loss
+            # and the whitening
             judged = ~score_components.unjudged
             dropped = torch.zeros_like(judged)
             if args.dynamic_sampling:
                 dropped = equal_score_groups(scores, judged, args.num_generations)
-            # ALGO LOGIC: another advantage estimator goes here
-            if args.advantage_estimator == "gae":
-                advantages = whiten_advantages(advantages, padding_mask | dropped[:, None])
-            # critic-free: each response's summed reward against its group's (as TRL's RLOOTrainer)
-            else:
+            excluded = padding_mask | dropped[:, None]  # out of phase 6's loss and the whitening
+            if args.advantage_estimator == "gae":  # ALGO LOGIC: another advantage estimator here
+                advantages = whiten_advantages(advantages, excluded)
+            else:  # critic-free: a response's summed reward against its group's (as RLOOTrainer)
                 advantages = group_advantages(rewards.sum(1), judged, args.num_generations,
                                               args.advantage_estimator)
-                advantages = advantages[:, None].expand_as(rewards)
-                advantages = advantages.masked_fill(padding_mask | dropped[:, None], 0)
-            # VAPO's positive examples (--positive-lm-coef): trained tokens of responses that scored
-            # high
-            positive = ~(padding_mask | dropped[:, None]) & (scores >= args.positive_threshold)[:, None]
+                advantages = advantages[:, None].expand_as(rewards).masked_fill(excluded, 0)
+            # VAPO's positive examples (--positive-lm-coef): the trained tokens of high scorers
+            positive = ~excluded & (scores >= args.positive_threshold)[:, None]
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
-            # the rollout as phase 6 trains on it and phase 7's metrics read it (a name reassigned
-            # later is not)
+            # the rollout as phase 6 trains on it and phase 7's metrics read it
             rollout = Rollout(
-                query_responses=query_responses, response_ids=response_ids, trunks=trunks, responses=responses,
-                sequence_lengths=sequence_lengths, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1,
-                logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, kl=kl,
-                non_score_reward=non_score_reward, rewards=rewards, advantages=advantages, returns=returns,
-                scores=scores, trained_scores=trained_scores, contain_eos_token=contain_eos_token,
+                query_responses=query_responses, response_ids=response_ids, trunks=trunks,
+                responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+                padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
+                advantages=advantages, returns=returns, scores=scores,
+                trained_scores=trained_scores, contain_eos_token=contain_eos_token,
                 score_components=score_components, dropped=dropped, positive=positive)
 
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, of gradient_accumulation_steps
-        # micro-batches
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps (of gradient_accumulation_steps
+        # micro-batches each)
         timer = time.perf_counter()
         model.train()
-        # a dict per micro-batch
         step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False
-        finite = FiniteLosses(device)  # losses checked on the device, read once after the epochs
+        finite = FiniteLosses(device)  # losses checked on the device, read after the epochs
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
-            # one copy per epoch
+            # one copy to the device per epoch, not one per micro-batch
             b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
-            # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's real
-            # tokens, and its positive examples', over all processes, counted once per epoch
+            # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's trained
+            # and positive tokens, over all processes, counted once per epoch
             denominators = None
             if args.loss_aggregation != "micro-batch":
                 rows = b_inds.view(args.num_mini_batches, -1)
                 trained = ~(rollout.padding_mask | rollout.dropped[:, None])
                 counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation)
                                       for mask in (trained, rollout.positive)], 1)
-                processes = args.gradient_accumulation_steps * accelerator.num_processes
-                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / processes
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size,
-                                                           sizes.local_mini_batch_size)):
-                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
-                                 for i in range(0, sizes.local_mini_batch_size,
-                                                args.per_device_train_batch_size)]
-                if ratio_guard_skips(accelerator, models, args, micro_batches, rollout, pad_token_id):
+                share = args.gradient_accumulation_steps * accelerator.num_processes
+                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / share
+            mb_size, micro_size = sizes.local_mini_batch_size, args.per_device_train_batch_size
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, mb_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + mb_size]
+                micro_batches = [mini_batch_inds[i:i + micro_size]
+                                 for i in range(0, mb_size, micro_size)]
+                if ratio_guard_skips(accelerator, models, args, micro_batches, rollout,
+                                     pad_token_id):
                     skipped_minibatches += 1
                     continue
-                minibatch_denominators = None if denominators is None else denominators[minibatch_idx]
+                denominator = None if denominators is None else denominators[minibatch_idx]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
-                                                    shortcuts.fused_head, train_policy, minibatch_denominators)
-                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
+                                                    shortcuts.fused_head, train_policy, denominator)
+                        where = f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}"
+                        finite.note(loss, where)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
-                            # TRL accepted max_grad_norm, never clipped
-                            if args.max_grad_norm is not None:
-                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if args.max_grad_norm is not None:  # TRL accepted it, never clipped
+                                accelerator.clip_grad_norm_(model.parameters(),
+                                                            args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
                     del loss, stats
-                # --target-kl: after every minibatch, all processes together (classic TRL: once per
-                # epoch)
-                minibatch_kl = torch.stack([s["policy/approxkl_avg"]
-                                            for s in step_stats[-len(micro_batches):]]).mean()
-                stop_early = args.target_kl is not None and bool(
-                    accelerator.reduce(minibatch_kl, "mean") > args.target_kl)
+                # --target-kl: after every minibatch, over all processes (classic TRL: every epoch)
+                approxkl = [s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]]
+                minibatch_kl = accelerator.reduce(torch.stack(approxkl).mean(), "mean")
+                stop_early = args.target_kl is not None and bool(minibatch_kl > args.target_kl)
                 if stop_early:
                     break
         finite.check(accelerator, update, run.folder.checkpoints)
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); the held-out score; the adaptive KL
-        # coefficient
         with torch.no_grad():
             metrics = {
-                **gathered_metrics(accelerator, args, rollout, step_stats), "lr": lr, "episode": episode,
-                "policy/optimizer_steps": optimizer_steps,
+                **gathered_metrics(accelerator, args, rollout, step_stats),
+                "lr": lr, "episode": episode, "policy/optimizer_steps": optimizer_steps,
                 "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
                 "objective/kl_coef": kl_coef,  # the beta these rewards used
-                # seconds on rank 0: sampling; the reference, value and reward forwards; rewards to
-                # whitening; the PPO epochs
-                "time/generation": time_generation, "time/scoring": time_scoring, "time/gae": time_gae,
-                "time/training": time_training}
+                # seconds on rank 0: sampling; the reference, value and reward forwards; rewards
+                # to whitened advantages; the PPO epochs
+                "time/generation": time_generation, "time/scoring": time_scoring,
+                "time/gae": time_gae, "time/training": time_training}
         if args.use_score_scaling or args.use_score_norm:
             metrics["objective/score_running_mean"] = score_moments.mean
             metrics["objective/score_running_std"] = score_moments.std
         # ALGO LOGIC: an early end: `last = last or <condition>` here; that update is scored and
-        # saved as the last (a condition on held-out eval/* metrics goes after the `evaluate` line
-        # below)
+        # saved as the last (a condition on held-out eval/* metrics: after `evaluate` below)
         if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run.log))
+            held_out = evaluate(accelerator, models, args, setup, eval_queries, update, run.log)
+            metrics.update(held_out)
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if args.kl_target is not None:  # for the next update, from this rollout's gathered KL
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon,
-                                       sizes.batch_size)
+        if args.kl_target is not None:  # for the next update, from this rollout's KL
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target,
+                                       args.kl_horizon, sizes.batch_size)
         samples = training_samples(setup, batch_rows, responses, scores, score_components)
         run.log_update(update, metrics, samples, time_training)  # TRY NOT TO MODIFY
 
-        # 8. Checkpoint: every --save-every updates, at the end (the models first), on SIGTERM or
-        # SIGINT ALGO LOGIC: state kept across updates, saved here (restored after `start_run`
-        # above)
+        # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
+        # ALGO LOGIC: state kept across updates: saved here (restored after `start_run` above)
         state = dict(kl_coef=kl_coef, score_moments=vars(score_moments))
         stopping = run.checkpoint(model, update, episode, last, lr, state)  # TRY NOT TO MODIFY
-        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages,
-             returns, rollout, trunks, kept)
-        # the run's end, an early one (`last` set in phase 7), or a stop asked for
-        if last or stopping:
+        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards,
+             advantages, returns, rollout, trunks, kept)
+        if last or stopping:  # the run's end, an early one, or a stop asked for
             break
     run.finish(update, last, stopping)  # TRY NOT TO MODIFY
 
@@ -1518,38 +1505,17 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         torch.backends.cuda.matmul.allow_tf32 = True
     remote = dict(trust_remote_code=args.trust_remote_code)
 
-    # the models' files (a GGUF converted once into cache/, by the first process, then each
-    # machine's), checked
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        sft_model_path = resolve_model_path(args.sft_model_path)
-        # a peft checkpoint: its adapters go on the base it names
-        sft_adapters = checkpoint_adapters(sft_model_path)
-        if sft_adapters:
-            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
-            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
-        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
-        value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
-        if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+    # the models' files, resolved (a GGUF converted once into cache/) and checked
+    files = model_files(args, accelerator)
+    sft_model_path, sft_adapters, model_config = files.sft_model_path, files.sft_adapters, files.config
+    reward_model_paths, reward_configs = files.reward_model_paths, files.reward_configs
+    value_model_path = files.value_model_path
+    if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+        with accelerator.main_process_first(), accelerator.local_main_process_first():
             build_movie_review_prompts(DEFAULT_PROMPTS)
-    check_sft_adapters(args, sft_adapters)
-    for flag, path in [("--sft-model-path", sft_model_path), *[("--reward-model-path", p) for p in reward_model_paths],
-                       ("--value-model-path", value_model_path)]:
-        check_weight_files(flag, path)
-    reward_configs = [check_scalar_model(p, "--reward-model-path", require_head=True, **remote)
-                      for p in reward_model_paths]
-    model_config = AutoConfig.from_pretrained(sft_model_path, **remote)
-    vocab_size = model_config.get_text_config().vocab_size
-    if args.stop_token_id is not None and args.stop_token_id >= vocab_size:
-        raise ValueError(f"--stop-token-id {args.stop_token_id}: the policy has {vocab_size} tokens (ids 0 to "
-                         f"{vocab_size - 1}), so it could never sample it")
-    if args.num_trainable_layers is not None and not 0 < args.num_trainable_layers <= model_config.num_hidden_layers:
-        raise ValueError(f"--num-trainable-layers {args.num_trainable_layers}: the model has "
-                         f"{model_config.num_hidden_layers} transformer blocks")
-    fresh_adapter = None
-    # else the checkpoint's config
+    fresh_adapter = None  # a new LoRA adapter's config (a peft checkpoint's adapter keeps its own)
     if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:
-        # both build meta-device skeletons
-        with outside_zero_init(accelerator.state.deepspeed_plugin):
+        with outside_zero_init(accelerator.state.deepspeed_plugin):  # a meta-device skeleton is built
             fresh_adapter = lora_config(args, model_config, args.trust_remote_code)
 
     # the prompts: every row checked (a bad line or row named), text or chat messages
@@ -1595,11 +1561,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     eval_judged = own_share(n, accelerator, in_step=zero3)  # not the repeats (all sample as many)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
-    repeated = repeated_prompts(dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column],
-                                # warned in the banner
-                                train_dataset[args.dataset_prompt_column]) if n > 0 else 0
-    # ALGO LOGIC: a second prompt source, loaded, checked and tokenised as `dataset`, mixed in
-    # (interleave_datasets)
+    held_out_prompts = dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column]
+    # the banner warns of held-out prompts that are also training prompts
+    repeated = repeated_prompts(held_out_prompts, train_dataset[args.dataset_prompt_column]) if n else 0
+    # ALGO LOGIC: a second prompt source: loaded, checked and tokenised as `dataset`, then mixed in
 
     # the rewards, models first then functions (`vader` if none), each tried on two prompts, before
     # any model loads

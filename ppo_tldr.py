@@ -49,8 +49,8 @@ RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run
     "trust_remote_code", "ds3_gather_for_generation", "eval_samples", "compile"}
 
 
-@dataclass
 # ALGO LOGIC: a new flag: a field and its docstring; a number's interval: Annotated[int, "[0, 9)"]
+@dataclass
 class Args:
     # common args
     exp_name: str = Path(__file__).stem
@@ -451,126 +451,124 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 
 # ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -----------------
 def main(args: Args) -> None:
-    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads, then the models and the
-    # shortcuts' checks
+    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models; their shortcuts
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
     model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
     sizes, device = setup.sizes, accelerator.device
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
-    # the training step is the page's own `ppo_loss`: compiled whole by --compile (forward, losses
-    # and backward)
-    training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False) if setup.compiled else ppo_loss
-    # each rank samples with its own seed (N+ detail 8); the data order is shared
-    # (`rollout_indices`)
+    # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
+    training_loss = ppo_loss
+    if setup.compiled:
+        training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+    # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
-    # minibatch permutations use numpy: TRL never seeded it, so runs differed
-    np.random.seed(local_seed)
+    np.random.seed(local_seed)  # minibatch permutations: TRL never seeded numpy, so runs differed
     torch.manual_seed(local_seed)
-    # TRY NOT TO MODIFY: a resumed checkpoint's weights, optimizer and random states; logs, banner,
-    # SIGTERM
-    biases = (f"score bias (N+ detail 14): reward model {score_bias(models.reward_model.config):.4g}, "
-              f"value model {score_bias(models.value_model.config):.4g}")
+    # TRY NOT TO MODIFY: a resume's weights, optimizer and random states; the logs; banner; SIGTERM
+    rm_bias = score_bias(models.reward_model.config)
+    value_bias = score_bias(models.value_model.config)
+    biases = f"score bias (N+ detail 14): reward model {rm_bias:.4g}, value model {value_bias:.4g}"
     run = start_run(accelerator, args, setup, optimizer, models.named(), [biases, *shortcuts.notes],
                     args.sft_model_path)
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
     for update in range(run.start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         last = update == sizes.num_updates  # an early end sets `last` in phase 7
-        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`; the lr anneals
-        # linearly (N+ 29)
-        anneal = 1.0 - (update - 1.0) / sizes.num_updates
+        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`
+        anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
             group["lr"] = anneal * group["initial_lr"]
         lr = optimizer.param_groups[0]["lr"]  # the policy's
-        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed, accelerator.process_index)
-        # compiled, every update has the run's widest query (`Setup.query_width`): one compilation
-        queries = left_pad(setup.train_dataset[indices.tolist()]["input_ids"], pad_token_id, setup.query_width)
-        queries = queries.to(device)
+        indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed,
+                                  accelerator.process_index)
+        # compiled, every update is as wide as the widest query (`Setup.query_width`): one compile
+        rows = setup.train_dataset[indices.tolist()]["input_ids"]
+        queries = left_pad(rows, pad_token_id, setup.query_width).to(device)
         context_length = queries.size(1)
-        # dropout is off already; eval() only spares generation the train-mode code paths
-        model.eval()
+        model.eval()  # dropout is off already; eval() only spares generation train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # 1. Rollout: sample responses in chunks, keeping each token's log-prob; cut after eos
-            # (N+ 21)
-            responses, logprobs, _ = sample_responses(accelerator, model, queries, args, setup.zero3,
-                                                      pad_token_id, stop_token_id, shortcuts)
+            # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after eos (N+ 21)
+            responses, logprobs, _ = sample_responses(accelerator, model, queries, args,
+                                                      setup.zero3, pad_token_id, stop_token_id,
+                                                      shortcuts)
             # as wide as --response-length (SFD): a score lands past the eos
             responses = pad_columns(responses, args.response_length, pad_token_id)
             logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
-            # the index of the last real token (-1: empty)
+            # the index of each response's last real token (-1: an empty response)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1
-            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked
-            # anyway)
+            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked later)
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values
             ref_logprobs, values, _ = reference_and_values(models, query_responses, response_ids,
-                                                           context_length, args, pad_token_id, shortcuts)
+                                                           context_length, args, pad_token_id,
+                                                           shortcuts)
             # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
             scores = score_responses(models.reward_model, queries, responses, pad_token_id,
                                      args.local_rollout_forward_batch_size)
             time_scoring = time.perf_counter() - timer - time_generation
-            # the truncated responses
+            # on the truncated responses
             contain_eos_token = (responses == setup.tokenizer.eos_token_id).any(-1)
             scores = apply_missing_eos_rule(scores, contain_eos_token, args.missing_eos_rule,
                                             args.penalty_reward_value, args.missing_eos_penalty)
 
-            # 4. KL-penalised per-token rewards (be very careful with padding_mask_p1: N+ detail 25)
+            # 4. KL-penalised per-token rewards (careful with padding_mask_p1: N+ detail 25)
             padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            # 0 at padding: both log-probs are 1.0
+            # 0 at padding: both log-probs are INVALID_LOGPROB there
             kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator)
             rewards, non_score_reward = compute_rewards(scores, kl, args.kl_coef, sequence_lengths)
-            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward
-            # sums it)
+            # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward)
 
             # 5. GAE (ALGO LOGIC: another advantage estimator); returns before the whitening,
             # advantages 0 at padding
-            gae_rewards = whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else rewards
+            gae_rewards = rewards
+            if args.whiten_rewards:
+                gae_rewards = whiten_rewards(rewards, padding_mask_p1)
             advantages, returns = compute_gae(gae_rewards, values, args.gamma, args.lam)
             advantages = whiten_advantages(advantages, padding_mask)
-            # the rollout as phase 6 trains on it and phase 7's metrics read it (a name reassigned
-            # later is not)
+            # the rollout as phase 6 trains on it and phase 7's metrics read it
             rollout = Rollout(
                 query_responses=query_responses, response_ids=response_ids, responses=responses,
-                sequence_lengths=sequence_lengths, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1,
-                logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, kl=kl,
-                non_score_reward=non_score_reward, rewards=rewards, advantages=advantages, returns=returns,
-                scores=scores, contain_eos_token=contain_eos_token)
+                sequence_lengths=sequence_lengths, padding_mask=padding_mask,
+                padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
+                advantages=advantages, returns=returns, scores=scores,
+                contain_eos_token=contain_eos_token)
 
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps, of gradient_accumulation_steps
-        # micro-batches
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps (of gradient_accumulation_steps
+        # micro-batches each)
         timer = time.perf_counter()
         model.train()
         step_stats, optimizer_steps = [], 0  # a dict per micro-batch
-        finite = FiniteLosses(device)  # losses checked on the device, read once after the epochs
+        finite = FiniteLosses(device)  # losses checked on the device, read after the epochs
         for ppo_epoch_idx in range(args.num_ppo_epochs):
-            # one copy per epoch
+            # one copy to the device per epoch, not one per micro-batch
             b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size,
-                                                           sizes.local_mini_batch_size)):
-                mini_batch_inds = b_inds[mb_start:mb_start + sizes.local_mini_batch_size]
-                micro_batches = [mini_batch_inds[i:i + args.per_device_train_batch_size]
-                                 for i in range(0, sizes.local_mini_batch_size,
-                                                args.per_device_train_batch_size)]
+            mb_size, micro_size = sizes.local_mini_batch_size, args.per_device_train_batch_size
+            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, mb_size)):
+                mini_batch_inds = b_inds[mb_start:mb_start + mb_size]
+                micro_batches = [mini_batch_inds[i:i + micro_size]
+                                 for i in range(0, mb_size, micro_size)]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
                                                     shortcuts.fused_head)
-                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
+                        where = f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}"
+                        finite.note(loss, where)
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
-                            # TRL accepted max_grad_norm, never clipped
-                            if args.max_grad_norm is not None:
-                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if args.max_grad_norm is not None:  # TRL accepted it, never clipped
+                                accelerator.clip_grad_norm_(model.parameters(),
+                                                            args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
@@ -578,8 +576,7 @@ def main(args: Args) -> None:
         finite.check(accelerator, update, run.folder.checkpoints)
         time_training = time.perf_counter() - timer
 
-        # 7. Metrics, averaged over processes (TRL's names); then the held-out validation (N+ detail
-        # 30)
+        # 7. Metrics, averaged over processes (TRL's names); the held-out validation (N+ detail 30)
         with torch.no_grad():
             metrics = {
                 **gathered_metrics(accelerator, args, rollout, step_stats),
@@ -588,22 +585,21 @@ def main(args: Args) -> None:
                 "time/scoring": time_scoring,  # reference, value and reward forwards
                 "time/training": time_training,  # PPO epochs
                 "lr": lr, "episode": episode}
-        # ALGO LOGIC: an early end: `last = last or <condition>` here (on eval/*: after `evaluate`);
-        # that update is saved as the last
+        # ALGO LOGIC: an early end: `last = last or <condition>` here; that update is validated and
+        # saved as the last (a condition on the validation: after `evaluate` below)
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
-            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run.log))
+            held_out = evaluate(accelerator, models, args, setup, eval_queries, update, run.log)
+            metrics.update(held_out)
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run.log_update(update, metrics, training_seconds=time_training)  # TRY NOT TO MODIFY
 
-        # 8. Checkpoint: every --save-every updates, at the end (the models first), on SIGTERM or
-        # SIGINT
-        state = {}  # ALGO LOGIC: state kept across updates, saved here (read back from `run.saved`)
+        # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
+        state = {}  # ALGO LOGIC: state kept across updates: saved here, read back from `run.saved`
         stopping = run.checkpoint(model, update, episode, last, lr, state)  # TRY NOT TO MODIFY
-        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards, advantages,
-             returns, rollout)
-        # the run's end, an early one (`last` set in phase 7), or a stop asked for
-        if last or stopping:
+        del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards,
+             advantages, returns, rollout)
+        if last or stopping:  # the run's end, an early one, or a stop asked for
             break
     run.finish(update, last, stopping)  # TRY NOT TO MODIFY
 
@@ -906,10 +902,9 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
     columns = zip(held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]], responses,
                   scores.tolist())
-    rows = gather_once(held_out["index"], [{"query": query, "reference": reference,  # one per post
-                                            # eos stays visible
-                                            "response": tokenizer.decode(r[r != pad_token_id]),
-                                            "score": score} for query, reference, r, score in columns])
+    rows = [{"query": query, "reference": reference, "response": tokenizer.decode(r[r != pad_token_id]),
+             "score": score} for query, reference, r, score in columns]  # the eos stays visible
+    rows = gather_once(held_out["index"], rows)  # each post once
     if accelerator.is_main_process:
         (setup.folder.path / "eval").mkdir(exist_ok=True)
         write_atomic(setup.folder.path / "eval" / f"update-{update:06d}.jsonl",

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +16,49 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ppo_harness.writes import temporary_name
+
+
+@dataclass
+class ModelFiles:
+    """The models a run reads, resolved to loadable folders and checked (`model_files`)."""
+    sft_model_path: str  # the SFT policy's folder (a peft checkpoint's base model)
+    sft_adapters: dict  # a peft checkpoint's adapters by name (empty for a plain model)
+    reward_model_paths: list[str]
+    reward_configs: list  # each reward model's config
+    value_model_path: str | None  # --value-model-path's folder, if given
+    config: object  # the policy's config
+
+
+def model_files(args, accelerator) -> ModelFiles:
+    """Every model flag resolved to a folder (a GGUF converted once into cache/, by the run's first process, then each
+    machine's) and checked before anything loads: a peft checkpoint's adapters (`check_sft_adapters`), unreadable or
+    truncated weight files, reward models that are no one-label classifiers, a --stop-token-id past the vocabulary,
+    a --num-trainable-layers past the blocks."""
+    remote = dict(trust_remote_code=args.trust_remote_code)
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        sft_model_path = resolve_model_path(args.sft_model_path)
+        sft_adapters = checkpoint_adapters(sft_model_path)  # a peft checkpoint: its adapters go on the base it names
+        if sft_adapters:
+            adapter_config = json.loads((next(iter(sft_adapters.values())) / "adapter_config.json").read_text())
+            sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
+        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
+        value_model_path = resolve_model_path(args.value_model_path) if args.value_model_path else None
+    check_sft_adapters(args, sft_adapters)
+    for flag, path in [("--sft-model-path", sft_model_path), *[("--reward-model-path", p) for p in reward_model_paths],
+                       ("--value-model-path", value_model_path)]:
+        check_weight_files(flag, path)
+    reward_configs = [check_scalar_model(p, "--reward-model-path", require_head=True, **remote)
+                      for p in reward_model_paths]
+    config = AutoConfig.from_pretrained(sft_model_path, **remote)
+    vocab_size = config.get_text_config().vocab_size
+    if args.stop_token_id is not None and args.stop_token_id >= vocab_size:
+        raise ValueError(f"--stop-token-id {args.stop_token_id}: the policy has {vocab_size} tokens (ids 0 to "
+                         f"{vocab_size - 1}), so it could never sample it")
+    layers = args.num_trainable_layers
+    if layers is not None and not 0 < layers <= config.num_hidden_layers:
+        raise ValueError(f"--num-trainable-layers {layers}: the model has {config.num_hidden_layers} transformer "
+                         "blocks")
+    return ModelFiles(sft_model_path, sft_adapters, reward_model_paths, reward_configs, value_model_path, config)
 
 
 def check_sft_adapters(args, sft_adapters: dict[str, Path]) -> None:

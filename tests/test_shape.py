@@ -1,7 +1,7 @@
 """The project's floors, measured on the scripts as shipped (the versions git's HEAD holds, where there is a git
 checkout): an edit made in place is never failed here, and a copy is not measured at all. Size is counted in
 characters, not lines, so that splitting a long line costs nothing: ppo.py at most 90,000 non-whitespace characters
-and ppo_tldr.py 55,000, each `main` at most 9,000; at most 10% of a script's lines over 100 columns; prose
+and ppo_tldr.py 55,000, their `main` 12,500 and 9,000; at most 10% of a script's lines over 100 columns; prose
 (full-line comments and docstrings) at most 20% of its characters; the README at most 300 lines and
 benchmarks/README.md at most 300."""
 import ast
@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 # script: (non-whitespace characters, of them in `main`)
-LIMITS = {"ppo.py": (90_000, 9_000), "ppo_tldr.py": (55_000, 9_000)}
+LIMITS = {"ppo.py": (90_000, 12_500), "ppo_tldr.py": (55_000, 9_000)}
 
 
 def shipped(path: str) -> str:
