@@ -40,9 +40,9 @@ from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
 from ppo_harness.run_log import FiniteLosses, RunLog
-from ppo_harness.speed import (HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
-                               frozen_trunk, head_logprobs, keep_states, kept_states, on_device,
-                               prefill_shared_prefix, ready_to_compile, should_compile)
+from ppo_harness.speed import (CompiledOrEager, HostFlag, Shortcuts, blocks_only, check_forwards,
+                               check_sampling, frozen_trunk, head_logprobs, keep_states, kept_states,
+                               on_device, prefill_shared_prefix, ready_to_compile, should_compile)
 from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
@@ -662,8 +662,9 @@ def main(args: Args) -> None:
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
     # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
     training_loss = ppo_loss
-    if setup.compiled:
-        training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+    if setup.compiled:  # --compile auto: where the compiler fails, `ppo_loss` runs as it is (said once)
+        compiled = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+        training_loss = CompiledOrEager(compiled, ppo_loss, strict=args.compile == "on")
     # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
@@ -1561,9 +1562,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     eval_judged = own_share(n, accelerator, in_step=zero3)  # not the repeats (all sample as many)
     eval_rows = dataset.select([len(dataset) - n + i for i in eval_index]) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
-    held_out_prompts = dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column]
-    # the banner warns of held-out prompts that are also training prompts
-    repeated = repeated_prompts(held_out_prompts, train_dataset[args.dataset_prompt_column]) if n else 0
+    repeated = 0  # held-out prompts that are also training prompts: the banner warns of them
+    if n > 0:
+        held_out = dataset.select(range(len(dataset) - n, len(dataset)))[args.dataset_prompt_column]
+        repeated = repeated_prompts(held_out, train_dataset[args.dataset_prompt_column])
     # ALGO LOGIC: a second prompt source: loaded, checked and tokenised as `dataset`, then mixed in
 
     # the rewards, models first then functions (`vader` if none), each tried on two prompts, before

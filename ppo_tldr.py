@@ -31,9 +31,9 @@ from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
 from ppo_harness.run_log import FiniteLosses, RunLog, print_rows
-from ppo_harness.speed import (HostFlag, Shortcuts, blocks_only, check_forwards, check_sampling,
-                               head_logprobs, keep_states, kept_states, on_device, prefill_shared_prefix,
-                               ready_to_compile, should_compile)
+from ppo_harness.speed import (CompiledOrEager, HostFlag, Shortcuts, blocks_only, check_forwards,
+                               check_sampling, head_logprobs, keep_states, kept_states, on_device,
+                               prefill_shared_prefix, ready_to_compile, should_compile)
 from ppo_harness.writes import write_atomic
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
@@ -459,8 +459,9 @@ def main(args: Args) -> None:
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
     # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
     training_loss = ppo_loss
-    if setup.compiled:
-        training_loss = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+    if setup.compiled:  # --compile auto: where the compiler fails, `ppo_loss` runs as it is (said once)
+        compiled = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
+        training_loss = CompiledOrEager(compiled, ppo_loss, strict=args.compile == "on")
     # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)

@@ -11,8 +11,9 @@
 # The runs, most important first (`PLAN`; one whose expected end passes --budget-s is skipped): TRL in bf16; ppo.py
 # bf16 with --compile on from an empty compile cache ("cold"), then with --compile auto from an empty cache (a
 # 10-update run is too short to pay compiling back: auto runs eagerly), --compile on again with the first run's cache
-# ("warm"), a window of 2 updates profiled (benchmarks/profile_window.py), fp32 with --compile on and with --tf32, TRL
-# in fp32, and ppo_tldr.py at pythia-1b's shape for 3 updates. Reported per run: episodes/s over updates 2.., seconds
+# ("warm"), a window of 2 updates profiled (benchmarks/profile_window.py), fp32 with --compile on, ppo_tldr.py at
+# pythia-1b's shape for 3 updates, fp32 with --tf32, TRL in fp32 (after a failed run, the later runs of its compile
+# mode are skipped). Reported per run: episodes/s over updates 2.., seconds
 # by phase, the full run's episodes/s with start-up and compilation counted, start-up (process start to the first
 # update), what torch.compile did, new tokens/s while sampling, the peak GPU memory allocated (torch's counter).
 # Neither trainer saves a model (TRL: save_strategy "no"; ppo.py: --no-save-at-end); runs write under --run-dir, and
@@ -303,9 +304,9 @@ PLAN = {
     "ppo.py bf16 profiled (updates 3-4)": dict(precision="bf16", flags=["--compile", "on"], cache="a", profile=True,
                                                episodes=4),
     "ppo.py fp32 --compile on": dict(precision="fp32", flags=["--compile", "on"], cache="a"),
+    "ppo_tldr.py pythia-1b bf16 (3 updates)": dict(trainer="tldr", precision="bf16", flags=["--compile", "off"]),
     "ppo.py fp32 --compile on --tf32": dict(precision="fp32", flags=["--compile", "on", "--tf32"], cache="a"),
     "TRL 1.12 fp32": dict(trainer="trl", precision="fp32"),
-    "ppo_tldr.py pythia-1b bf16 (3 updates)": dict(trainer="tldr", precision="bf16", flags=["--compile", "off"]),
 }
 
 
@@ -378,11 +379,16 @@ def main(args: Args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = build_workload(args)
     results, seen = [], {}  # seen: the seconds each kind of run took, to judge whether the next fits the budget
+    failed = set()  # the compile modes that failed: a later run of the same mode would fail as it did
     for name, spec in plan(args):
         kind = spec["trainer"] + ("-cold" if spec.get("cold") else "-profile" if spec.get("profile") else "")
         expected = seen.get(kind, max(seen.values(), default=0.0))
         if time.perf_counter() - start + 1.1 * expected > args.budget_s:
             print(f"skipped {name}: past --budget-s", flush=True)
+            continue
+        mode = " ".join(spec["flags"][:2])
+        if spec["trainer"] == "ppo" and mode in failed:
+            print(f"skipped {name}: a {mode} run failed above", flush=True)
             continue
         tag = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
         out, work = work_dir / f"{tag}-out", work_dir / tag  # out: a run's small files, beside --output-dir
@@ -397,6 +403,7 @@ def main(args: Args) -> None:
                 r = run_ppo(args, paths, spec, out, work)
         except (RunFailed, OSError, ValueError, KeyError, IndexError, ZeroDivisionError) as error:
             r = dict(failed=f"{type(error).__name__}: {error}"[:300])
+            failed.add(" ".join(spec["flags"][:2]))
         shutil.rmtree(work, ignore_errors=True)  # the weights and logs a run wrote: only its results travel
         seen[kind] = time.perf_counter() - timer
         results.append(dict(run=name, **r))

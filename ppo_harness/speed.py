@@ -654,3 +654,27 @@ def ready_to_compile(*models) -> None:
         for module in model.modules():
             if _CAN_RECORD_REGISTRY.get(module):
                 maybe_install_capturing_hooks(module)
+
+
+class CompiledOrEager:
+    """A compiled training step that falls back to the eager one where the compiler fails on its first call (an
+    operator it cannot trace whole, a kernel that does not build), saying so once: with --compile auto the run goes
+    on eagerly; with --compile on the error is raised."""
+
+    def __init__(self, compiled, eager, strict: bool, console=print):
+        self.compiled, self.eager, self.strict, self.console, self.first = compiled, eager, strict, console, True
+
+    def __call__(self, *args, **kwargs):
+        if not self.first:
+            return self.compiled(*args, **kwargs)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except Exception as error:  # the compiler's errors are of many kinds (dynamo's, inductor's, triton's)
+            if self.strict:
+                raise
+            self.console(f"the training step did not compile ({type(error).__name__}: {str(error)[:300]}); it "
+                         "runs eagerly (--compile off skips the attempt)")
+            self.compiled = self.eager
+            out = self.eager(*args, **kwargs)
+        self.first = False
+        return out
