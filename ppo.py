@@ -150,8 +150,8 @@ class Args:
     missing_eos_penalty: Annotated[float | None, "[0, inf)"] = None
     """subtracted from the score of responses that contain no eos (stop) token"""
     num_generations: Annotated[int, "[1, inf)"] = 1
-    """responses per prompt, sampled in a row (a group for RLOO- or GRPO-style advantages: README
-    "Editing")"""
+    """responses per prompt, sampled in a row: a group (--advantage-estimator grpo or rloo,
+    --dynamic-sampling)"""
 
     # PPO
     kl_coef: Annotated[float, "[0, inf)"] = 0.095
@@ -159,7 +159,7 @@ class Args:
     is set"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
     """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL;
-    restrains less: README)"""
+    restrains less: docs/coming_from_trl.md)"""
     kl_target: Annotated[float | None, "(0, inf)"] = None
     """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears
     this (None: fixed)"""
@@ -177,7 +177,7 @@ class Args:
     gamma: Annotated[float, "[0, 1]"] = 1.0
     """the discount factor"""
     lam: Annotated[float, "[0, 1]"] = 1.0
-    """the GAE lambda (TRL and N+: 0.95; 1.0 takes no bias from the young value head: README)"""
+    """the GAE lambda (TRL and N+: 0.95; 1.0 takes no bias from a young value head: benchmarks/)"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked) before GAE"""
     target_kl: Annotated[float | None, "(0, inf)"] = None
@@ -1511,9 +1511,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     sft_model_path, sft_adapters, model_config = files.sft_model_path, files.sft_adapters, files.config
     reward_model_paths, reward_configs = files.reward_model_paths, files.reward_configs
     value_model_path = files.value_model_path
-    if args.dataset_name == DEFAULT_PROMPTS and not Path(DEFAULT_PROMPTS).exists():
+    if args.dataset_name == DEFAULT_PROMPTS:
         with accelerator.main_process_first(), accelerator.local_main_process_first():
-            build_movie_review_prompts(DEFAULT_PROMPTS)
+            if not Path(DEFAULT_PROMPTS).exists():  # read after the first process has built it
+                build_movie_review_prompts(DEFAULT_PROMPTS)
     fresh_adapter = None  # a new LoRA adapter's config (a peft checkpoint's adapter keeps its own)
     if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:
         with outside_zero_init(accelerator.state.deepspeed_plugin):  # a meta-device skeleton is built
@@ -1820,9 +1821,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
         ready_to_compile(model)
-    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a named
-    # group each ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) +
-    # param_groups(args.vf_learning_rate, value=value)
+    # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a group each
+    # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(lr_v, value=value)
     value = value_head if value_model is None else value_model
     optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value), eps=1e-5,
                                   weight_decay=0.0, fused=True)

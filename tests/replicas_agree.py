@@ -9,8 +9,9 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ppo  # noqa: E402
+import ppo_harness.run  # noqa: E402
 
-save_checkpoint = ppo.save_checkpoint
+save_checkpoint = ppo_harness.run.save_checkpoint
 
 
 def save_checkpoint_where_replicas_agree(accelerator, folder, state):
@@ -30,5 +31,5 @@ def save_checkpoint_where_replicas_agree(accelerator, folder, state):
 
 
 if __name__ == "__main__":
-    ppo.save_checkpoint = save_checkpoint_where_replicas_agree
+    ppo_harness.run.save_checkpoint = save_checkpoint_where_replicas_agree  # what Run.checkpoint calls
     ppo.main(tyro.cli(ppo.Args))

@@ -55,7 +55,8 @@ def rollout(seed: int = 0, rows: int = 4) -> ppo.Rollout:
         padding_mask_p1=padding_mask_p1, logprobs=(noise(0.3) - 3.4).masked_fill(padding_mask, ppo.INVALID_LOGPROB),
         ref_logprobs=zeros, values=noise(0.5).masked_fill(padding_mask_p1, 0), kl=zeros, non_score_reward=zeros,
         rewards=zeros, advantages=noise(1.0).masked_fill(padding_mask, 0), returns=noise(1.0), scores=zeros[:, 0],
-        trained_scores=zeros[:, 0], contain_eos_token=None, score_components={})
+        trained_scores=zeros[:, 0], contain_eos_token=None, score_components={},
+        dropped=torch.zeros(rows, dtype=torch.bool), positive=torch.zeros(rows, RESPONSE, dtype=torch.bool))
 
 
 def models(llama, kind: str):

@@ -246,12 +246,15 @@ def rollout(seed, rows=4, length=5):
     lengths = torch.randint(0, length, (rows,), generator=g)
     mask, mask_p1 = ppo.padding_masks(lengths, length)
     t = torch.randn(rows, length, generator=g)
-    return ppo.Rollout(responses=torch.ones(rows, length, dtype=torch.long), sequence_lengths=lengths,
+    responses = torch.ones(rows, length, dtype=torch.long)
+    return ppo.Rollout(query_responses=responses, response_ids=responses, trunks={}, responses=responses,
+                       sequence_lengths=lengths,
                        padding_mask=mask, padding_mask_p1=mask_p1, logprobs=-t.abs(), ref_logprobs=-t.abs(),
                        values=t, kl=t.abs(), non_score_reward=-t.abs(), rewards=t, advantages=t, returns=2 * t,
                        scores=torch.randn(rows, generator=g), trained_scores=None, contain_eos_token=None,
                        score_components=ppo.RewardComponents({}, None, torch.zeros(rows, dtype=torch.bool)),
-                       dropped=torch.zeros(rows, dtype=torch.bool))._replace(trained_scores=None)
+                       dropped=torch.zeros(rows, dtype=torch.bool),
+                       positive=torch.zeros(rows, length, dtype=torch.bool))
 
 
 def stats(values, active):
