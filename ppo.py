@@ -1513,7 +1513,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     value_model_path = files.value_model_path
     if args.dataset_name == DEFAULT_PROMPTS:
         with accelerator.main_process_first(), accelerator.local_main_process_first():
-            if not Path(DEFAULT_PROMPTS).exists():  # read after the first process has built it
+            if not Path(DEFAULT_PROMPTS).exists():  # the first process builds it
                 build_movie_review_prompts(DEFAULT_PROMPTS)
     fresh_adapter = None  # a new LoRA adapter's config (a peft checkpoint's adapter keeps its own)
     if args.use_peft and (args.model_adapter_name or "default") not in sft_adapters:

@@ -1,6 +1,6 @@
 """The speed layer: the shortcuts a script takes where a start-up check finds them equal to its own code, and the
 plumbing of two choices of data flow the scripts make in plain sight. Each shortcut is named at the script's line
-that takes it, and `choose_shortcuts` checks every one once, at start-up, against the script's functions as they are
+that takes it, and `check_forwards` and `check_sampling` check every one once, at start-up, against the script's functions as they are
 (edited or not), refusing by name any that differs:
 
 - `prefill_shared_prefix`: sampling runs the prompts' common prefix (a chat template's) once per chunk;
@@ -12,7 +12,8 @@ that takes it, and `choose_shortcuts` checks every one once, at start-up, agains
 The data flow, visible in the scripts: the frozen bottom blocks run once per update (`frozen_trunk`, then
 `blocks_only` runs the blocks above), and the states sampling computes anyway are kept (`keep_states`,
 `kept_states`) instead of computed again. This module imports no script: the checks call the script's functions
-through `script`, the script's module, by the names in `SCRIPT_CONTRACT`.
+through `script`, the script's module, by the names in `SCRIPT_CONTRACT`; `check_forwards` (on the models as
+loaded) and `check_sampling` (on the prepared policy) run the checks.
 """
 import time
 from contextlib import contextmanager
@@ -83,7 +84,9 @@ def check_sampling(script, args, accelerator, setup, policy, value_head, shortcu
     loop of the script's own `generate` whose tokens serve the static sampler's check (fed through it) and the kept
     states' check (a full forward on them). `shortcuts`: `check_forwards`'; the banner's lines in its notes."""
     if not args.fast_paths or setup.zero3:
-        return replace(shortcuts, notes=shortcuts.notes + ("sampler: dynamic KV cache",))
+        asked = setup.zero3 and args.sampler in ("static", "compiled")  # said, never silently dropped
+        note = f" ({args.sampler} refused under ZeRO-3: weights gathered per rollout)" if asked else ""
+        return replace(shortcuts, notes=shortcuts.notes + (f"sampler: dynamic KV cache{note}",))
     pad_token_id, device, temperature = setup.tokenizer.pad_token_id, accelerator.device, args.temperature
     refused, rows = list(shortcuts.notes), setup.train_dataset[:8]["input_ids"]
     queries = script.left_pad(rows, pad_token_id).to(device)[:args.local_rollout_forward_batch_size]
