@@ -166,9 +166,9 @@ def forked_run(argv: list[str], envs: list[dict], timeout: int) -> subprocess.Co
             _SERVER.stdout.readline()
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
         codes = json.loads(_SERVER.stdout.readline())["returncodes"]
-        text = [("".join(Path(out).read_text() for out, _ in outputs), "".join(Path(err).read_text()
-                                                                             for _, err in outputs))]
-        return subprocess.CompletedProcess([sys.executable, *argv], next((c for c in codes if c), 0), *text[0])
+        stdout = "".join(Path(out).read_text() for out, _ in outputs)
+        stderr = "".join(Path(err).read_text() for _, err in outputs)
+        return subprocess.CompletedProcess([sys.executable, *argv], next((c for c in codes if c), 0), stdout, stderr)
 
 
 def launch_environments(cmd: list[str], env: dict, num_processes: int) -> tuple[list[str], list[dict]]:
