@@ -80,8 +80,7 @@ class Args:
     tokenizer"""
     reward_fn: tuple[str, ...] = ()
     """reward functions (TRL's keywords: `f(prompts, completions, completion_ids, **columns)`,
-    sync or async), one or more: `vader`, `module:function`, `file.py:function`, or a served
-    reward's URL (http://...); none given: `vader`"""
+    sync or async): `vader` (the default), `module:function`, `file.py:function`, or a URL"""
     reward_url_timeout: Annotated[float, "(0, inf)"] = 60.0
     """seconds a served reward (--reward-fn http://...) may take to answer one batch before the
     request is retried"""
@@ -201,8 +200,8 @@ class Args:
     """the GAE lambda of the critic's targets, --lam then the policy's alone (decoupled GAE;
     None: --lam for both)"""
     lam_length_alpha: Annotated[float | None, "(0, inf)"] = None
-    """VAPO's length-adaptive policy lambda per response, 1 - 1 / (alpha x length), clipped to
-    [0, 1] (VAPO: 0.05)"""
+    """VAPO's length-adaptive lambda per response, 1 - 1 / (alpha x length), clipped to [0, 1]
+    (VAPO: 0.05); the policy's alone"""
     cliprange_high: Annotated[float | None, "(0, inf)"] = None
     """the ratio's upper clip, 1 + this (clip-higher, DAPO: 0.28; None: --cliprange on both
     sides)"""
@@ -219,8 +218,8 @@ class Args:
     """groups of --num-generations responses that all scored the same leave the loss and the
     whitening (DAPO)"""
     advantage_estimator: Literal["gae", "grpo", "rloo"] = "gae"
-    """gae: the critic's; grpo or rloo: from each group's summed rewards, critic-free (no value
-    loss)"""
+    """gae: the critic's; critic-free (no value loss): rloo, from each group's summed rewards;
+    grpo, from its scores, the KL a k3 loss term x --kl-coef"""
 
     # optimizer
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
@@ -289,9 +288,8 @@ class Args:
     """the frozen trunk run once and ppo_harness/speed.py's shortcuts, each where its start-up
     check passes (off: the plain forwards alone)"""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long
-    enough to pay the compile time back (README "Speed"), off on the CPU (slower there than the
-    speed layer)"""
+    """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA for runs long
+    enough to pay it back (README "Speed"), off on the CPU (slower there)"""
     tf32: bool = False
     """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later,
     values change"""
@@ -336,9 +334,8 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a
-    shared permutation per pass over the data, seeded by seed + pass, so a resumed run continues
-    the data order (no DataLoader)."""
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row,
+    from a permutation per pass seeded by seed + pass: a resume continues the order."""
     per_update = sizes.batch_size // num_generations
     per_rank = sizes.local_batch_size // num_generations
     if num_prompts < per_update:
@@ -548,20 +545,17 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 
 
 def length_adaptive_lam(sequence_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO's length-adaptive GAE ("Managing Heterogeneous Sequence Lengths"): the policy's
-    lambda per response, 1 - 1 / (alpha x l), l its real tokens, clipped to [0, 1] (a response
-    under 1 / alpha tokens would go negative)."""
+    """VAPO's length-adaptive GAE (section 4.3): the policy's lambda per response, 1 - 1 / (alpha
+    x l), l its real tokens, clipped to [0, 1]."""
     length = (sequence_lengths + 1).clamp(min=1).to(torch.float32)
     return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
 
 
 def group_advantages(sequence_rewards: torch.Tensor, judged: torch.Tensor, num_generations: int,
                      estimator: str) -> torch.Tensor:
-    """One advantage per response from its group (`num_generations` rows in a row), critic-free.
-    grpo: (r - mean) / (std + 1e-4), the std unbiased (DeepSeekMath's GRPO, section 4.1.2, as
-    TRL's GRPOTrainer); rloo: r - the mean of the group's other responses (RLOO: Ahmadian et al.
-    2024, arXiv 2402.14740). Unjudged rows stay out of their group's statistics and get 0, as
-    does every row of a group with fewer than 2 judged."""
+    """One advantage per response from its group (`num_generations` rows in a row). grpo: (r -
+    mean) / (std + 1e-4), std unbiased (DeepSeekMath 4.1.2, TRL); rloo: r - the mean of the
+    others (arXiv 2402.14740). Unjudged rows, and groups of under 2 judged, get 0."""
     r, w = sequence_rewards.view(-1, num_generations), judged.view(-1, num_generations).to(sequence_rewards.dtype)
     k = w.sum(1, keepdim=True)
     mean = (r * w).sum(1, keepdim=True) / k.clamp(min=1)
@@ -574,19 +568,16 @@ def group_advantages(sequence_rewards: torch.Tensor, judged: torch.Tensor, num_g
 
 
 def equal_score_groups(scores: torch.Tensor, judged: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Per row: True where its group's judged responses all scored the same (or fewer than 2 were
-    judged), so its group advantage carries no signal. DAPO's dynamic sampling (section 3.2: 0 <
-    |correct| < G) then samples more groups; here such rows only leave the loss and the
-    whitening."""
+    """Per row: True where its group's judged responses all scored the same (or under 2 were
+    judged): no signal. DAPO (3.2) samples more groups; here they leave the loss."""
     s, w = scores.view(-1, num_generations), judged.view(-1, num_generations)
     spread = torch.where(w, s, -math.inf).amax(1) - torch.where(w, s, math.inf).amin(1)
     return (~(spread > 0)).repeat_interleave(num_generations)
 
 
 def minibatch_counts(real: torch.Tensor, minibatch_rows: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Per minibatch (a row of `minibatch_rows` each): the real tokens (token) or the sequences
-    holding one (sequence) of its rows on this process; summed over processes, they make
-    `aggregate_loss`'s denominator."""
+    """Per minibatch (a row of `minibatch_rows`): its real tokens (token) or sequences holding one
+    (sequence) on this process; summed over processes: `aggregate_loss`'s denominator."""
     tokens = real.sum(1)[minibatch_rows]
     return (tokens if aggregation == "token" else (tokens > 0).long()).sum(1).float()
 
@@ -594,8 +585,7 @@ def minibatch_counts(real: torch.Tensor, minibatch_rows: torch.Tensor, aggregati
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "micro-batch",
                    denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token
-    or sequence, the sum of tokens' losses or sequences' means / `denominator`
-    (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
+    or sequence, the sum of tokens' losses or sequences' means / `denominator` (DAPO 3.3)."""
     if aggregation == "micro-batch":
         return masked_mean(losses, mask)
     if aggregation == "token":
@@ -605,8 +595,7 @@ def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = 
 
 def explained_variance(sums: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) from `explained_variance_sums` summed over
-    processes (0 when the returns do not vary): 1 is a perfect critic, 0 one no better than the
-    mean return."""
+    processes (0 if the returns do not vary): 1, a perfect critic; 0, the mean return's."""
     n, r, r2, d, d2 = sums.tolist()
     var_r, var_d = r2 / max(n, 1) - (r / max(n, 1)) ** 2, d2 / max(n, 1) - (d / max(n, 1)) ** 2
     return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
@@ -688,7 +677,7 @@ def main(args: Args) -> None:
         last = update == sizes.num_updates  # an early end sets `last` in phase 7
         # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`
         anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
-        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the policy waits, lr 0
+        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the policy waits
         train_policy = update > args.value_warmup_updates
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
             trains = train_policy or group["name"] != "policy"
@@ -720,8 +709,7 @@ def main(args: Args) -> None:
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
-            # frozen bottom blocks (--num-trainable-layers) are the policy's and the reference's:
-            # their output, kept from sampling or run once here, feeds every later forward
+            # frozen bottom blocks' output (--num-trainable-layers) feeds every later forward
             trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
             ref_logprobs, values, full_kl_per_token = reference_and_values(
                 models, query_responses, response_ids, context_length, args, pad_token_id,
@@ -763,19 +751,23 @@ def main(args: Args) -> None:
             if args.lam_length_alpha is not None:  # ALGO LOGIC: VAPO's length-adaptive lambda
                 lam = length_adaptive_lam(sequence_lengths, args.lam_length_alpha)
             advantages, returns = compute_gae(gae_rewards, values, args.gamma, lam)
-            if args.lam_critic is not None:  # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's own
-                returns = compute_gae(gae_rewards, values, args.gamma, args.lam_critic)[1]
+            # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's targets at their own lambda (VAPO: 1)
+            if args.lam_critic is not None or args.lam_length_alpha is not None:
+                lam_critic = args.lam if args.lam_critic is None else args.lam_critic
+                returns = compute_gae(gae_rewards, values, args.gamma, lam_critic)[1]
             # ALGO LOGIC: DAPO's dynamic sampling (3.2): groups that all scored alike leave the loss
             # and the whitening
             judged = ~score_components.unjudged
             dropped = torch.zeros_like(judged)
             if args.dynamic_sampling:
-                dropped = equal_score_groups(scores, judged, args.num_generations)
+                dropped = equal_score_groups(trained_scores, judged, args.num_generations)
             excluded = padding_mask | dropped[:, None]  # out of phase 6's loss and the whitening
             if args.advantage_estimator == "gae":  # ALGO LOGIC: another advantage estimator here
                 advantages = whiten_advantages(advantages, excluded)
-            else:  # critic-free: a response's summed reward against its group's (as RLOOTrainer)
-                advantages = group_advantages(rewards.sum(1), judged, args.num_generations,
+            else:  # critic-free: rloo on the summed rewards (KL in them: RLOOTrainer); grpo on the
+                # score alone, its KL a loss term (DeepSeekMath 4.1.2; the std would scale KL noise)
+                outcome = trained_scores if args.advantage_estimator == "grpo" else rewards.sum(1)
+                advantages = group_advantages(outcome, judged, args.num_generations,
                                               args.advantage_estimator)
                 advantages = advantages[:, None].expand_as(rewards).masked_fill(excluded, 0)
             # VAPO's positive examples (--positive-lm-coef): the trained tokens of high scorers
@@ -789,7 +781,8 @@ def main(args: Args) -> None:
                 values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
                 advantages=advantages, returns=returns, scores=scores,
                 trained_scores=trained_scores, contain_eos_token=contain_eos_token,
-                score_components=score_components, dropped=dropped, positive=positive)
+                score_components=score_components, dropped=dropped, positive=positive,
+                kl_coef=torch.tensor(kl_coef, device=device))
 
         # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps (of gradient_accumulation_steps
         # micro-batches each)
@@ -803,7 +796,7 @@ def main(args: Args) -> None:
             # one copy to the device per epoch, not one per micro-batch
             b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
             # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's trained
-            # and positive tokens, over all processes, counted once per epoch
+            # and positive tokens, over all processes
             denominators = None
             if args.loss_aggregation != "micro-batch":
                 rows = b_inds.view(args.num_mini_batches, -1)
@@ -834,6 +827,9 @@ def main(args: Args) -> None:
                             if args.max_grad_norm is not None:  # TRL accepted it, never clipped
                                 accelerator.clip_grad_norm_(model.parameters(),
                                                             args.max_grad_norm)
+                        if not train_policy:  # its Adam state waits too: no step, no decay
+                            for p in optimizer.param_groups[0]["params"]:  # the "policy" group
+                                p.grad = None
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
@@ -978,9 +974,8 @@ def next_token_forward(policy, token, out, attention_mask, position_ids):
 # ---- Phase 2: the scoring forwards, each from the frozen trunk where there is one ----------------
 def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, kept: dict,
                   shortcuts: Shortcuts, args: Args, with_value: bool = True) -> dict:
-    """The frozen bottom blocks' output, "policy" (the reference's too: the same SFT weights,
-    never trained) and "value", as (hidden states, number of blocks): kept while sampling, else
-    run once here, in chunks."""
+    """The frozen bottom blocks' output, "policy" (the reference's too: the same weights) and
+    "value", as (hidden states, number of blocks): kept while sampling, else run here."""
     trunks, chunk = {}, args.local_rollout_forward_batch_size
     for name, m in (("policy", models.policy), ("value", models.value_model if with_value else None)):
         n = shortcuts.num_frozen.get(name)
@@ -1123,11 +1118,9 @@ def value_forward(value_model, query_responses, pad_token_id, context_length, he
 # ---- Phase 3: scores (reward models here, reward functions through ppo_harness/reward_calls.py) ---
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
                     global_step: int = 0, judged: list[bool] | None = None):
-    """(the weighted sum of every reward, each reward's scores: `RewardComponents`) of responses
-    to `rows`. A None (NaN) adds 0 (TRL's nansum); a row no reward judged is marked `unjudged`.
-    `global_step`: for `trainer_state`. `judged`: the held-out rows reward functions see
-    (`function_scores`); None: a training batch, which stops the run if no row is judged on any
-    process (it would train on nothing)."""
+    """(the weighted sum of every reward, `RewardComponents`) of responses to `rows`. A None
+    (NaN) adds 0 (TRL's nansum); a row no reward judged is `unjudged`. `judged`: the held-out
+    rows functions see; None: a training batch, stopped if no process has a judged row."""
     components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
@@ -1242,12 +1235,13 @@ class Rollout(NamedTuple):
     dropped: torch.Tensor  # rows --dynamic-sampling left out of the loss (all False without it)
     # the tokens of VAPO's positive examples (--positive-lm-coef): trained, scoring high
     positive: torch.Tensor
+    kl_coef: torch.Tensor | float = 0.0  # the beta of `rewards` (grpo: of its KL loss term)
 
 
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,
                       pad_token_id: int) -> bool:
-    """--ratio-threshold: skip a minibatch whose masked mean ratio (all processes, no grad)
-    exceeds it (classic TRL zeroed the loss, and still stepped Adam)."""
+    """--ratio-threshold: skip a minibatch whose mean ratio (all processes) exceeds it (classic
+    TRL zeroed the loss, and still stepped Adam)."""
     if args.ratio_threshold is None:
         return False
     total = torch.zeros(2, device=accelerator.device)
@@ -1268,9 +1262,8 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
 
 def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False,
              train_policy: bool = True, denominators: torch.Tensor | None = None):
-    """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value
-    losses, their sum (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read
-    a tensor on the host."""
+    """Phase 6 on some rows of the rollout: the training forward, the losses, their sum (loss,
+    stats). Compiled whole on CUDA (--compile): nothing here may read a tensor on the host."""
     # the frozen blocks' output
     trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}
     context_length = r.query_responses.size(1) - r.responses.size(1)
@@ -1291,8 +1284,14 @@ def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_hea
              "policy/entropy_avg": masked_mean(entropy, ~padding_mask), "ratio": ratio_mean,
              # a micro-batch with a real token (`gathered_metrics`)
              "active": (~padding_mask).any().float()}
-    # no KL loss term: the KL is in the rewards (as TRL); critic-free (grpo, rloo): no value loss
+    # critic-free (grpo, rloo): no value loss
     loss = pg_loss + (args.vf_coef if args.advantage_estimator == "gae" else 0.0) * vf_loss
+    # ALGO LOGIC: GRPO's KL is this loss term, k3 to the reference per token (DeepSeekMath eq. 3,
+    # TRL's GRPOTrainer); elsewhere the KL is in the rewards (as TRL's PPO)
+    if args.advantage_estimator == "grpo":
+        kl = kl_penalty(new_logprobs, r.ref_logprobs[rows], "k3")
+        stats["loss/kl_avg"] = aggregate_loss(kl, ~padding_mask, args.loss_aggregation, token_denominator)
+        loss = loss + r.kl_coef * stats["loss/kl_avg"]
     # ALGO LOGIC: a loss term goes here, as this entropy bonus (OpenRLHF, verl; TRL had none)
     if args.ent_coef != 0:
         stats["loss/entropy_avg"] = stats["policy/entropy_avg"]
@@ -1321,8 +1320,7 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None,
                 fused_head=False):
         """(log-probs, entropies, values) of the responses, each model from its frozen trunk in
-        `trunks`, if any; --shared-value-head: the values from the final hidden states of the
-        same policy forward."""
+        `trunks`, if any; --shared-value-head: values from the same policy forward."""
         trunks = trunks or {}
         logprobs, entropy, hidden = response_logprobs(
             self.policy, query_responses, pad_token_id, context_length, response_ids, temperature, with_entropy=True,
@@ -1337,11 +1335,9 @@ class PolicyAndValueWrapper(nn.Module):
 # ---- Phase 7: metrics by name (a new one is one line of `local`), the held-out evaluation --------
 def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                      step_stats: list[dict]) -> dict:
-    """The update's metrics by name (TRL's), gathered as sums and counts in one gather, so
-    processes may hold different numbers of micro-batches: a per-process scalar of `local` is
-    averaged over processes; a micro-batch statistic is averaged over the micro-batches of all
-    processes that held a real token (a micro-batch emptied by unjudged rows or
-    --dynamic-sampling is left out)."""
+    """The update's metrics by name (TRL's), as sums and counts in one gather: a scalar of
+    `local` averaged over processes; a micro-batch statistic over all processes' micro-batches
+    that held a real token (processes may hold different numbers)."""
     real, n = (~r.padding_mask).float(), accelerator.num_processes
     local = {
         "objective/kl": r.kl.sum(1).mean(),
@@ -1372,7 +1368,9 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
     sums.update({k: (torch.stack([s[k] for s in step_stats]).double() * active).sum() if step_stats else
                  torch.zeros((), dtype=torch.float64) for k in keys})
     sums.update({"val/ratio": (ratios * active).sum(), "val/ratio_sq": (ratios ** 2 * active).sum(),
-                 "val/explained_variance": explained_variance_sums(r.values, r.returns, ~r.padding_mask_p1)})
+                 # the critic's tokens: it is not trained on a --dynamic-sampling group's
+                 "val/explained_variance": explained_variance_sums(r.values, r.returns,
+                                                                  ~(r.padding_mask_p1 | r.dropped[:, None]))})
     counts = {**{k: 1.0 for k in local}, **{k: active.sum().item() for k in [*keys, "val/ratio"]}}
     flat = torch.cat([torch.cat([v.reshape(-1).cpu() for v in sums.values()]), torch.tensor(list(counts.values()))])
     flat = accelerator.gather(flat.to(accelerator.device).unsqueeze(0)).sum(0).cpu()
@@ -1385,7 +1383,9 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
     ratio_mean = total["val/ratio"].item() / m if m else 1.0
     return {**metrics, "val/ratio": ratio_mean,
             "val/ratio_var": (total["val/ratio_sq"].item() - m * ratio_mean ** 2) / (m - 1) if m > 1 else 0.0,
-            "val/explained_variance": explained_variance(total["val/explained_variance"]),
+            # critic-free (grpo, rloo): no values to explain
+            **({"val/explained_variance": explained_variance(total["val/explained_variance"])}
+               if args.advantage_estimator == "gae" else {}),
             # each reward's own mean score, unweighted; objective/scores = their weighted sum (-
             # missing-EOS penalty)
             **reward_means(r.score_components, "objective", lambda t: accelerator.reduce(t, "sum"))}
@@ -1487,9 +1487,8 @@ class Setup:
 
 
 def set_up(args: Args) -> tuple[Accelerator, Setup]:
-    """Every check, all before any model loads, each naming the flag to change (SFD's
-    `parse_args`), in this order: the flags and processes, the models' files, the prompts, the
-    tokenizer, the rewards; the run's folder last."""
+    """Every check before any model loads, each naming the flag to change (SFD's `parse_args`):
+    flags, processes, model files, prompts, tokenizer, rewards; the run's folder last."""
     check_args(args)
     accelerator, zero3 = start(args)  # DeepSpeed's accumulation and clipping set to the flags'
     sizes = batch_sizes(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_mini_batches,
@@ -1660,8 +1659,8 @@ def check_args(args: Args) -> None:
 
 
 def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter, on the top --num-trainable-layers blocks only (the reference shares the
-    frozen trunk); tried on a meta-device copy, so unknown target modules fail before any load."""
+    """The fresh adapter, on the top --num-trainable-layers blocks; tried on a meta-device copy,
+    so unknown target modules fail before any load."""
     num_blocks, targets = model_config.num_hidden_layers, args.lora_target_modules
     top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
                                                                     num_blocks))
@@ -1841,9 +1840,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a
-    critic lr is the value group's; a critic warm-up sets the policy group's to 0 (a value-only
-    loss still trains a shared trunk)."""
+    """An optimizer group per trained module, by name, with the lr main's anneal starts from (a
+    critic warm-up sets the policy group's to 0)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]

@@ -226,9 +226,8 @@ def batch_sizes(per_device_train_batch_size, gradient_accumulation_steps, num_mi
 
 def rollout_indices(num_prompts: int, sizes: BatchSizes, update: int, seed: int, rank: int,
                     num_generations: int = 1) -> torch.Tensor:
-    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row: a
-    shared permutation per pass over the data, seeded by seed + pass, so a resumed run continues
-    the data order (no DataLoader)."""
+    """The prompts `rank` samples at `update` (1-based), each `num_generations` times in a row,
+    from a permutation per pass seeded by seed + pass: a resume continues the order."""
     per_update = sizes.batch_size // num_generations
     per_rank = sizes.local_batch_size // num_generations
     if num_prompts < per_update:
@@ -407,8 +406,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: 
 def aggregate_loss(losses: torch.Tensor, mask: torch.Tensor, aggregation: str = "micro-batch",
                    denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token losses to one (verl's loss_agg_mode): micro-batch, its token mean (TRL's); token
-    or sequence, the sum of tokens' losses or sequences' means / `denominator`
-    (`minibatch_counts`): each alike in a minibatch (DAPO 3.3)."""
+    or sequence, the sum of tokens' losses or sequences' means / `denominator` (DAPO 3.3)."""
     if aggregation == "micro-batch":
         return masked_mean(losses, mask)
     if aggregation == "token":
@@ -1153,9 +1151,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from: a
-    critic lr is the value group's; a critic warm-up sets the policy group's to 0 (a value-only
-    loss still trains a shared trunk)."""
+    """An optimizer group per trained module, by name, with the lr main's anneal starts from (a
+    critic warm-up sets the policy group's to 0)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
     return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]

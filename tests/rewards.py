@@ -136,3 +136,11 @@ def logs_its_rows(prompts, completions, row_id, trainer_state, **kwargs):
         f.write(json.dumps({"step": trainer_state.global_step, "rows": list(row_id),
                             "start_up": list(completions) == list(prompts)}) + "\n")
     return [0.0] * len(completions)
+
+
+def signal_in_update_one_only(completions, trainer_state, **kwargs):
+    """target_word_fraction for update 1's rollout (global_step 0), then 1.0 for every completion: groups that all
+    score alike, once the policy has moved from the reference."""
+    if trainer_state.global_step == 0:
+        return target_word_fraction(completions)
+    return [1.0] * len(completions)

@@ -306,6 +306,8 @@ ROLLOUT_KEYS = ("objective/kl", "objective/scores", "val/response_length", "obje
     # the critic's targets alone: update 1's policy losses (a separate value model, no clipping) stay as they were
     (["--lam-critic", "0.5"], ["loss/policy_avg", "policy/clipfrac_avg"], ["loss/value_avg"]),
     (["--lam", "0.9", "--lam-length-alpha", "0.5"], [], ["loss/policy_avg"]),
+    # the length-adaptive lambda is the policy's: the critic's targets keep --lam
+    (["--lam-length-alpha", "0.5"], ["loss/value_avg", "val/clipfrac_avg"], ["loss/policy_avg"]),
     (["--cliprange-high", "0.001"], ["loss/value_avg"], ["loss/policy_avg"]),  # a tight upper clip: the policy only
     (["--loss-aggregation", "token"], ["loss/value_avg"], ["loss/policy_avg"]),
     (["--loss-aggregation", "sequence"], ["loss/value_avg"], ["loss/policy_avg"]),
@@ -335,6 +337,57 @@ def test_value_warmup_leaves_the_policy_and_trains_the_critic(assets, tmp_path, 
     assert rows[1]["objective/kl"] == pytest.approx(0, abs=1e-6)  # update 2 samples from the initial policy
     assert rows[0]["loss/value_avg"] == pytest.approx(baseline[0]["loss/value_avg"], rel=1e-6)  # the same critic step
     assert rows[1]["val/explained_variance"] != pytest.approx(baseline[1]["val/explained_variance"], abs=1e-6)
+
+
+def test_value_warmup_leaves_the_policys_adam_state_untouched(assets, tmp_path):
+    """verl's critic_warmup never steps the actor: with zero gradients, AdamW would count steps and decay moments of
+    the policy, and its first real steps would be too large (bias correction out of step). After a warm-up update the
+    checkpoint holds Adam state for the value model's parameters alone."""
+    run_ppo(args_for(assets, *EXACT, "--value-warmup-updates", "1", "--save-every", "1"), tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "update-000001" / "optimizer.bin", weights_only=False)
+    groups = {g["name"]: g["params"] for g in saved["param_groups"]}
+    assert groups.keys() == {"policy", "value"}
+    assert not any(i in saved["state"] for i in groups["policy"])
+    steps = {float(saved["state"][i]["step"]) for i in groups["value"]}
+    assert steps == {4.0}  # 2 PPO epochs x 2 minibatches
+
+
+def test_grpo_keeps_the_kl_out_of_its_advantages(assets, tmp_path):
+    """DeepSeekMath's GRPO z-scores the outcome alone and puts its KL in the loss (section 4.1.2): in update 2, where
+    every response scores the same but the policy has moved from the reference, every advantage (so the policy loss)
+    is 0 while the KL term is not. With the KL in the summed rewards, the z-score would turn its noise into
+    advantages of about +-1."""
+    rows = run_ppo(args_for(assets, *EXACT, "--advantage-estimator", "grpo",
+                            reward_fn="tests/rewards.py:signal_in_update_one_only"), tmp_path)[1]
+    assert rows[0]["loss/policy_avg"] != 0 and abs(rows[1]["objective/kl"]) > 1e-4  # k1: the policy moved
+    assert rows[1]["loss/policy_avg"] == 0 and rows[1]["loss/kl_avg"] > 0
+    assert "val/explained_variance" not in rows[1]  # no critic to explain the returns
+
+
+def naive_k3(new, ref, mask):
+    """The mean over unmasked tokens of exp(ref - new) - (ref - new) - 1 (DeepSeekMath's eq. 4), in Python floats."""
+    terms = [math.exp(r - n) - (r - n) - 1 for nr, rr, mr in zip(new, ref, mask) for n, r, m in zip(nr, rr, mr) if m]
+    return sum(terms) / len(terms)
+
+
+def test_grpo_loss_adds_the_k3_kl_to_the_reference_against_a_loop():
+    r = rollout(7)
+    g = gen(8)
+    r = r._replace(ref_logprobs=r.logprobs - 0.3 * torch.rand(r.logprobs.shape, generator=g),
+                   kl_coef=torch.tensor(0.25))
+    new = r.logprobs + 0.2 * torch.randn(r.logprobs.shape, generator=g)
+    zeros = torch.zeros_like(new)
+
+    def model(*args):
+        return new, zeros, zeros
+
+    rows = torch.arange(r.logprobs.size(0))
+    plain, _ = ppo.ppo_loss(model, rows, r, ppo.Args(advantage_estimator="rloo"), 0)
+    loss, stats = ppo.ppo_loss(model, rows, r, ppo.Args(advantage_estimator="grpo"), 0)
+    real = (~r.padding_mask).tolist()
+    want = naive_k3(new.double().tolist(), r.ref_logprobs.double().tolist(), real)
+    assert float(stats["loss/kl_avg"]) == pytest.approx(want, rel=1e-5)
+    assert float(loss - plain) == pytest.approx(0.25 * want, rel=1e-4)
 
 
 def test_critic_free_estimators_leave_the_value_head_at_zero(assets, tmp_path):
