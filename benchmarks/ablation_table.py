@@ -5,7 +5,8 @@
 
 Per row, over its finished seeds: held-out accuracy (eval/scores: the reward, 1 for a right answer) before training and
 after the last update, as mean ± SD [min, max]; the gain; the mean response length of the last rollout; the critic's
-explained variance at the last update; the largest rollout KL (objective/kl) of any update and seed; wall time per run.
+explained variance at the last update; the largest KL to the reference of any seed (each rollout's objective/kl and each
+evaluated policy's eval/kl, the final one's among them); wall time per run (2 runs at once, 1 thread each).
 "vs plain PPO" compares the final accuracy with the task's plain-PPO row: "exceeds" where the seed ranges do not
 overlap, else "within spread" (3 seeds: only a large effect can show). The plot: held-out accuracy against the response
 tokens sampled so far, one line per row (the seeds' mean; the band is their range).
@@ -74,7 +75,8 @@ def stats(runs):
         before=summary(before), after=summary(after), gain=summary([a - b for a, b in zip(after, before)]),
         length=summary([u[-1]["val/response_length"] for u in updates]),
         ev=summary([u[-1]["val/explained_variance"] for u in updates if "val/explained_variance" in u[-1]]),
-        max_kl=max(max(r["objective/kl"] for r in u) for u in updates),
+        # each rollout's KL (objective/kl) and the evaluated policies' (eval/kl: the final one's too)
+        max_kl=max(r[k] for rows, _ in runs for r in rows for k in ("objective/kl", "eval/kl") if k in r),
         wall=statistics.fmean(record["wall_s"] for _, record in runs), seeds=len(runs),
         commits=sorted({record.get("commit", "?") for _, record in runs}),
         curves=[curve(rows) for rows, _ in runs])

@@ -1,6 +1,7 @@
 # A verifiable task where length matters, for ppo.py: "List the whole numbers from a to b", b - a in 7..10, rewarded 1
-# only for the whole list, in order, nothing missing or extra: a correct response is every step of a count, at least
-# 30 of SmolLM2's tokens (digits are single tokens). Deterministic from --seed.
+# only for the whole list as asked ("a, a+1, ..., b"), nothing missing or extra, in a response that ended: a correct
+# response is every step of a count, 30 to 42 of SmolLM2's tokens and its end of turn (digits are single tokens), and
+# one cut off at --response-length scores 0, so stopping at the right length matters. Deterministic from --seed.
 # Make the data:  python benchmarks/counting.py cache/counting.jsonl [--n 3000] [--seed 0] [--eval-samples 128]
 # Train:          python ppo.py --dataset-name cache/counting.jsonl --reward-fn benchmarks/counting.py:accuracy \
 #                     --response-length 48 --eval-samples 128
@@ -13,7 +14,8 @@ from pathlib import Path
 
 SYSTEM = "You are a careful assistant. Reply with the numbers only, separated by commas."
 QUESTION = "List the whole numbers from {a} to {b}, in order."
-STARTS, SPANS = range(10, 90), range(7, 11)  # 320 ranges of 8 to 11 two-digit numbers (31 to 42 tokens)
+STARTS, SPANS = range(10, 90), range(7, 11)  # 320 ranges of 8 to 11 two-digit numbers (30 to 42 tokens)
+END_OF_TURN = 2  # SmolLM2's <|im_end|>, ppo.py's stop token for its chat prompts: another model, set its id here
 HELD_OUT_FRACTION = 0.2  # of the ranges, asked only in the held-out rows
 
 
@@ -43,10 +45,12 @@ def numbers(text: str) -> list[int]:
     return [int(x) for x in re.findall(r"-?\d+", text)]
 
 
-def accuracy(completions, solution, **kwargs) -> list[float]:
-    """1.0 where the response's integers are exactly the solution's, in order (words between them allowed), else 0.0
-    (TRL's reward-function convention)."""
-    return [float(numbers(completion_text(c)) == numbers(s)) for c, s in zip(completions, solution)]
+def accuracy(completions, solution, completion_ids, **kwargs) -> list[float]:
+    """1.0 where the response holds the solution as written ("10, 11, 12"; words before or after allowed), no other
+    integer, and ends with END_OF_TURN (`completion_ids` run up to the stop token: a response cut off at
+    --response-length has none), else 0.0 (TRL's reward-function convention)."""
+    return [float(numbers(completion_text(c)) == numbers(s) and s in completion_text(c) and ids[-1:] == [END_OF_TURN])
+            for c, s, ids in zip(completions, solution, completion_ids)]
 
 
 def prefix_right(completions, solution, **kwargs) -> list[float]:

@@ -11,6 +11,7 @@ from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import arithmetic  # noqa: E402
+import counting  # noqa: E402
 import gpu_bench  # noqa: E402
 import plot_runs  # noqa: E402
 import rescore  # noqa: E402
@@ -70,6 +71,34 @@ def test_arithmetic_accuracy_reads_the_last_integer_of_either_completion_form():
                    [{"role": "assistant", "content": "It costs 1,022 dollars"}]]
     assert arithmetic.accuracy(completions, ["22", "22", "22", "22", "1,022"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert arithmetic.accuracy(["no number"], ["none either"]) == [0.0]  # no answer is never right
+
+
+def test_counting_rows_are_deterministic_and_the_held_out_ranges_are_new():
+    rows = counting.make_rows(600, seed=3, eval_samples=100)
+    assert rows == counting.make_rows(600, seed=3, eval_samples=100) != counting.make_rows(600, 4, 100)
+    question = lambda r: r["prompt"][-1]["content"]  # noqa: E731
+    train, held_out = {question(r) for r in rows[:500]}, {question(r) for r in rows[500:]}
+    assert len(held_out) > 20 and not train & held_out
+    for r in rows:  # the solution counts from a to b, as the question asks
+        a, b = (int(x) for x in question(r).removeprefix("List the whole numbers from ").split(",")[0].split(" to "))
+        assert r["solution"] == ", ".join(str(n) for n in range(a, b + 1)) and 8 <= b - a + 1 <= 11
+
+
+def test_counting_accuracy_wants_the_whole_list_as_asked_and_an_ended_response():
+    end, solution = counting.END_OF_TURN, "12, 13, 14"
+    cases = [  # (completion, its last token id, right)
+        ("12, 13, 14", end, 1.0),
+        ([{"role": "assistant", "content": "The numbers are 12, 13, 14."}], end, 1.0),
+        ("12, 13, 14, ", 7, 0.0),  # cut off at --response-length: no end of turn, it might have gone on
+        ("12 13 14", end, 0.0),  # not as asked: a shorter response
+        ("12, 13, 14, 15", end, 0.0),  # one too many
+        ("12, 13", end, 0.0),
+        ("From 10: 12, 13, 14", end, 0.0),  # another integer
+    ]
+    got = counting.accuracy([c for c, _, _ in cases], [solution] * len(cases),
+                            completion_ids=[[5, 6, last] for _, last, _ in cases])
+    assert got == [right for _, _, right in cases]
+    assert counting.accuracy(["12, 13, 14"], [solution], completion_ids=[[]]) == [0.0]  # an empty response
 
 
 # tiny_args without the flags that rescore.py sets itself
