@@ -2,6 +2,7 @@
 update, each against a naive count (a model's nn.Linear modules; a loop over every forward and every token), and the
 data and reward of the verifiable-reward recipe, benchmarks/arithmetic.py, and benchmarks/rescore.py against ppo.py's
 own evaluations. No timing here."""
+import json
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import ablation_table  # noqa: E402
 import arithmetic  # noqa: E402
 import counting  # noqa: E402
 import gpu_bench  # noqa: E402
@@ -99,6 +101,42 @@ def test_counting_accuracy_wants_the_whole_list_as_asked_and_an_ended_response()
                             completion_ids=[[5, 6, last] for _, last, _ in cases])
     assert got == [right for _, _, right in cases]
     assert counting.accuracy(["12, 13, 14"], [solution], completion_ids=[[]]) == [0.0]  # an empty response
+
+
+def fake_ablation_run(folder, before, after, kl, eval_kl, explained_variance=None):
+    """A finished ablation run's files: held-out accuracy at update 0 and 2, two rollouts of 256 responses of 40
+    tokens."""
+    folder.mkdir(parents=True)
+    critic = {} if explained_variance is None else {"val/explained_variance": explained_variance}
+    rows = [{"update": 0, "episode": 0, "eval/scores": before, "eval/kl": 0.0},
+            {"update": 1, "episode": 256, "objective/kl": 0.0, "val/response_length": 40.0, **critic},
+            {"update": 2, "episode": 512, "objective/kl": kl, "val/response_length": 30.0, **critic,
+             "eval/scores": after, "eval/kl": eval_kl}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "run.json").write_text(json.dumps({"returncode": 0, "wall_s": 60.0, "commit": "abc1234"}))
+
+
+def test_ablation_table_compares_each_row_with_plain_ppo_over_the_seed_ranges(tmp_path):
+    for seed, (plain, grpo, clip) in enumerate([(0.10, 0.30, 0.12), (0.14, 0.25, 0.09), (0.12, 0.28, 0.20)], 1):
+        fake_ablation_run(tmp_path / "length-ppo" / f"s{seed}", 0.05, plain, 0.4, 0.5, explained_variance=0.2)
+        fake_ablation_run(tmp_path / "length-grpo" / f"s{seed}", 0.05, grpo, 0.3, 0.9 + seed)
+        fake_ablation_run(tmp_path / "length-clip-higher" / f"s{seed}", 0.05, clip, 0.6, 0.1, explained_variance=0.3)
+    (tmp_path / "length-rloo" / "s1").mkdir(parents=True)  # started, never finished: no run.json
+    table = {name: ablation_table.stats(runs) for name, runs in ablation_table.rows_of(tmp_path).items()}
+    assert list(table) == ["length-clip-higher", "length-grpo", "length-ppo"]
+    assert table["length-grpo"]["after"]["mean"] == pytest.approx(0.83 / 3)
+    assert table["length-grpo"]["ev"] is None and table["length-ppo"]["ev"]["mean"] == pytest.approx(0.2)
+    assert table["length-grpo"]["max_kl"] == 3.9  # the final policy's eval/kl, above every rollout's
+    assert table["length-clip-higher"]["max_kl"] == 0.6
+    assert ablation_table.curve(json.loads(line) for line in
+                                (tmp_path / "length-ppo" / "s1" / "metrics.jsonl").read_text().splitlines()) \
+        == [(0.0, 0.05), (256 * 40 + 256 * 30, 0.10)]  # tokens sampled before each evaluation
+    lines = {line.split(" | ")[0].strip("| "): line for line in ablation_table.markdown(table).splitlines()}
+    assert lines["length-grpo"].endswith("| exceeds: higher |")  # [0.25, 0.30] above [0.10, 0.14]
+    assert lines["length-clip-higher"].endswith("| within spread |")  # [0.09, 0.20] overlaps
+    assert lines["length-ppo"].endswith("| (baseline) |") and "| - |" in lines["length-grpo"]
+    ablation_table.plot(table, tmp_path / "ablation.png")
+    assert (tmp_path / "ablation.png").stat().st_size > 10_000
 
 
 # tiny_args without the flags that rescore.py sets itself
