@@ -154,11 +154,10 @@ class Args:
 
     # PPO
     kl_coef: Annotated[float, "[0, inf)"] = 0.095
-    """the KL coefficient (beta) of the per-token KL penalty; the starting value when --kl-target
-    is set"""
+    """the KL coefficient (beta) of the per-token penalty (grpo: of its loss); --kl-target's start"""
     kl_estimator: Literal["k1", "k2", "k3", "abs", "full"] = "k1"
-    """the per-token KL penalty (see `kl_penalty`): k1, k2, k3, abs, or full (the exact KL;
-    restrains less: docs/coming_from_trl.md)"""
+    """the per-token KL penalty (`kl_penalty`), or full: the exact KL (restrains less:
+    docs/coming_from_trl.md)"""
     kl_target: Annotated[float | None, "(0, inf)"] = None
     """adaptive KL (Ziegler et al.): steer beta so the mean summed penalty per response nears
     this (None: fixed)"""
@@ -696,11 +695,13 @@ def main(args: Args) -> None:
             responses, logprobs, kept = sample_responses(accelerator, model, queries, args,
                                                          setup.zero3, pad_token_id, stop_token_id,
                                                          shortcuts)
-            if setup.compiled:  # every update as wide as --response-length: one compilation
-                width = args.response_length - responses.size(1)
-                responses = F.pad(responses, (0, width), value=pad_token_id)
-                logprobs = F.pad(logprobs, (0, width), value=INVALID_LOGPROB)
-                kept = {name: F.pad(states, (0, 0, 0, width)) for name, states in kept.items()}
+            # a column past the longest response: every score one past its eos (N+ detail 25, SFD;
+            # TRL's width put the longest's on it); compiled, --response-length wide: one compilation
+            width = args.response_length if setup.compiled else responses.size(1) + 1
+            extra = min(width, args.response_length) - responses.size(1)
+            responses = F.pad(responses, (0, extra), value=pad_token_id)
+            logprobs = F.pad(logprobs, (0, extra), value=INVALID_LOGPROB)
+            kept = {name: F.pad(states, (0, 0, 0, extra)) for name, states in kept.items()}
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             # the index of each response's last real token (-1: an empty response)
@@ -770,10 +771,10 @@ def main(args: Args) -> None:
                 advantages = group_advantages(outcome, judged, args.num_generations,
                                               args.advantage_estimator)
                 advantages = advantages[:, None].expand_as(rewards).masked_fill(excluded, 0)
-            # VAPO's positive examples (--positive-lm-coef): the trained tokens of high scorers
+            # VAPO's positive examples (--positive-lm-coef)
             positive = ~excluded & (scores >= args.positive_threshold)[:, None]
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
-            # the rollout as phase 6 trains on it and phase 7's metrics read it
+            # the rollout phase 6 trains on and phase 7 reads
             rollout = Rollout(
                 query_responses=query_responses, response_ids=response_ids, trunks=trunks,
                 responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
@@ -793,7 +794,7 @@ def main(args: Args) -> None:
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
-            # one copy to the device per epoch, not one per micro-batch
+            # one copy to the device per epoch
             b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
             # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's trained
             # and positive tokens, over all processes
@@ -1107,8 +1108,7 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
 
 def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
     """values[:, t], read at the hidden state before response token t by `head`
-    (--shared-value-head) or the value model's `score`; `hidden`: the final hidden states, if a
-    forward computed them (the policy's, in training)."""
+    (--shared-value-head) or the value model's `score`; `hidden`: final hidden states given."""
     if hidden is None:
         hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
     head = value_model.score if head is None else head
@@ -1214,7 +1214,7 @@ class Rollout(NamedTuple):
     response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
     # "policy", "value": (the frozen blocks' output, their number), where there are frozen blocks
     trunks: dict
-    # as wide as the longest response here (sampling ends when all have): not response_length
+    # as wide as the longest response and one column past it (compiled: --response-length)
     responses: torch.Tensor
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
     padding_mask: torch.Tensor  # True past the last real token
@@ -1233,9 +1233,9 @@ class Rollout(NamedTuple):
     contain_eos_token: torch.Tensor | None
     score_components: dict  # each reward's own score (NaN: its None)
     dropped: torch.Tensor  # rows --dynamic-sampling left out of the loss (all False without it)
-    # the tokens of VAPO's positive examples (--positive-lm-coef): trained, scoring high
+    # VAPO's positive examples' tokens (--positive-lm-coef): trained, scoring high
     positive: torch.Tensor
-    kl_coef: torch.Tensor | float = 0.0  # the beta of `rewards` (grpo: of its KL loss term)
+    kl_coef: torch.Tensor | float = 0.0  # the beta of `rewards` (grpo: of its KL loss)
 
 
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,

@@ -7,6 +7,7 @@ without generating kernels (seconds).
 Tolerances: float32 losses and statistics to 1e-5 (relative), gradients to 1e-4 of each tensor's largest element
 (inductor fuses and reorders reductions); under bf16 autocast 2e-2 and 2e-2."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,15 +132,36 @@ def test_the_compiled_training_step_gives_the_eager_steps_loss_and_gradients(lla
         assert not any(".layers.0." in n or ".layers.1." in n for n in eager[2])
 
 
+def eos_prone(sft: Path, out: Path) -> Path:
+    """A copy of the tiny SFT model that ends a response (eos, id 0) with probability near 0.4 a token: every response
+    of a batch ends before --response-length, so sampling stops early and the eager rollout is narrower."""
+    import shutil
+
+    shutil.copytree(sft, out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        direction = torch.nn.functional.normalize(torch.randn(model.config.hidden_size,
+                                                              generator=torch.Generator().manual_seed(0)), dim=0)
+        model.gpt_neox.final_layer_norm.bias += 3.0 * direction  # every final hidden state along `direction`
+        model.get_output_embeddings().weight[0] += direction  # ... raises eos's logit by about 3
+    model.save_pretrained(out)
+    return out
+
+
 def test_a_compiled_run_trains_as_the_eager_one(assets, tmp_path):
     """--compile on in a whole run (the CPU's inductor; the sampler left dynamic to keep the test short): every update
     has the run's widest prompt and the full --response-length, so the step compiles once and is never compiled
-    again, and the run is the eager one's to float rounding. --tf32 is a CUDA setting: on the CPU it changes nothing."""
+    again, and the run is the eager one's to float rounding. The responses end early, so the eager rollout is as wide
+    as the longest and one column past it: the score lands one past every eos in both (N+ detail 25). --tf32 is a CUDA
+    setting: on the CPU it changes nothing."""
+    sft = eos_prone(assets["sft"], tmp_path / "sft")
     args = tiny_args(assets, "--num-trainable-layers", "1", "--shared-value-head", "--eval-samples", "0",
-                     "--sampler", "dynamic", "--total-episodes", "32")
+                     "--sampler", "dynamic", "--total-episodes", "32", "--response-length", "16",
+                     "--sft-model-path", str(sft))
     compiled, compiled_rows = run_ppo([*args, "--compile", "on", "--tf32"], tmp_path / "compiled")
     _, eager_rows = run_ppo([*args, "--compile", "off"], tmp_path / "eager")
     out = " ".join(compiled.stdout.split())
     assert "training step: compiled (torch.compile, fullgraph) (--compile on)" in out
     assert "update 1: torch.compile made 1 graph(s)" in out and "update 2: torch.compile made" not in out
+    assert all(r["val/num_eos_tokens"] == 16 for r in eager_rows)  # every response ended: the batch stopped early
     assert_same_run(compiled_rows, eager_rows, rel=1e-4)
