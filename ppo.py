@@ -697,8 +697,8 @@ def main(args: Args) -> None:
                                                          shortcuts)
             # a column past the longest response: every score one past its eos (N+ detail 25, SFD;
             # TRL's width put the longest's on it); compiled, --response-length wide: one compilation
-            width = args.response_length if setup.compiled else responses.size(1) + 1
-            extra = min(width, args.response_length) - responses.size(1)
+            width = args.response_length if setup.compiled else min(responses.size(1) + 1, args.response_length)
+            extra = width - responses.size(1)
             responses = F.pad(responses, (0, extra), value=pad_token_id)
             logprobs = F.pad(logprobs, (0, extra), value=INVALID_LOGPROB)
             kept = {name: F.pad(states, (0, 0, 0, extra)) for name, states in kept.items()}

@@ -57,12 +57,22 @@ def test_update_flops(batch, context, response, epochs):
         blocks, head, batch, context, response, epochs)
 
 
-def test_arithmetic_rows_are_deterministic_and_the_held_out_questions_are_new():
-    rows = arithmetic.make_rows(600, seed=3, eval_samples=100)
-    assert rows == arithmetic.make_rows(600, seed=3, eval_samples=100) != arithmetic.make_rows(600, 4, 100)
-    question = lambda r: r["prompt"][-1]["content"]  # noqa: E731
+def question(row) -> str:
+    return row["prompt"][-1]["content"]
+
+
+def deterministic_rows(task) -> list[dict]:
+    """A task's `make_rows`: the same rows from the same seed, others from another, and the last 100 (held out) ask
+    questions no training row asks."""
+    rows = task.make_rows(600, seed=3, eval_samples=100)
+    assert rows == task.make_rows(600, seed=3, eval_samples=100) != task.make_rows(600, 4, 100)
     train, held_out = {question(r) for r in rows[:500]}, {question(r) for r in rows[500:]}
     assert len(held_out) > 20 and not train & held_out
+    return rows
+
+
+def test_arithmetic_rows_are_deterministic_and_the_held_out_questions_are_new():
+    rows = deterministic_rows(arithmetic)
     for r in rows:  # the solution is the sum the question asks for
         a, b = (int(x) for x in question(r).split("?")[0].removeprefix("What is ").split(" + "))
         assert r["solution"] == str(a + b)
@@ -76,11 +86,7 @@ def test_arithmetic_accuracy_reads_the_last_integer_of_either_completion_form():
 
 
 def test_counting_rows_are_deterministic_and_the_held_out_ranges_are_new():
-    rows = counting.make_rows(600, seed=3, eval_samples=100)
-    assert rows == counting.make_rows(600, seed=3, eval_samples=100) != counting.make_rows(600, 4, 100)
-    question = lambda r: r["prompt"][-1]["content"]  # noqa: E731
-    train, held_out = {question(r) for r in rows[:500]}, {question(r) for r in rows[500:]}
-    assert len(held_out) > 20 and not train & held_out
+    rows = deterministic_rows(counting)
     for r in rows:  # the solution counts from a to b, as the question asks
         a, b = (int(x) for x in question(r).removeprefix("List the whole numbers from ").split(",")[0].split(" to "))
         assert r["solution"] == ", ".join(str(n) for n in range(a, b + 1)) and 8 <= b - a + 1 <= 11
