@@ -678,6 +678,9 @@ def main(args: Args) -> None:
         anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
         # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the policy waits
         train_policy = update > args.value_warmup_updates
+        if args.value_warmup_updates and update == args.value_warmup_updates + 1:
+            for p in optimizer.param_groups[0]["params"]:  # afresh: the warm-up stepped it on zeros
+                optimizer.state.pop(p, None)
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
             trains = train_policy or group["name"] != "policy"
             group["lr"] = anneal * group["initial_lr"] if trains else 0.0
@@ -706,7 +709,7 @@ def main(args: Args) -> None:
             query_responses = torch.cat((queries, responses), 1)
             # the index of each response's last real token (-1: an empty response)
             sequence_lengths = first_true_indices(responses == pad_token_id) - 1
-            # the ids log-probs are gathered at: [PAD] may lie outside the vocabulary (masked later)
+            # [PAD] may lie outside the vocabulary: gathered at 0 (masked later)
             response_ids = responses.masked_fill(responses == pad_token_id, 0)
 
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
@@ -828,9 +831,6 @@ def main(args: Args) -> None:
                             if args.max_grad_norm is not None:  # TRL accepted it, never clipped
                                 accelerator.clip_grad_norm_(model.parameters(),
                                                             args.max_grad_norm)
-                        if not train_policy:  # its Adam state waits too: no step, no decay
-                            for p in optimizer.param_groups[0]["params"]:  # the "policy" group
-                                p.grad = None
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
@@ -1812,8 +1812,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         for m in trained_models:
             enable_gradient_checkpointing(m)
     # the frozen trunks and the fused head, checked against this page's forwards as they are
-    # (ppo_harness/speed.py); the value model shares the policy's trunk when both start from the SFT
-    # checkpoint (no reward model)
+    # (ppo_harness/speed.py); the value model shares the policy's trunk when both are the SFT's
     shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, value_head, setup.compiled,
                                setup.value_model_path == setup.sft_model_path)
     model = PolicyAndValueWrapper(policy, value_model, value_head)

@@ -136,6 +136,17 @@ def test_deepspeed_reproduces_data_parallel_run(ddp_reference, tmp_path, config,
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in theirs)
 
 
+def test_zero2_value_warmup_reproduces_data_parallel_run(ddp_reference, tmp_path):
+    """DeepSpeed's engine steps inside backward, so during --value-warmup-updates the policy's AdamW counts steps on
+    zero gradients; its state is dropped when the warm-up ends, so update 2 is the unsharded run's update 2."""
+    args, _, _ = ddp_reference
+    warmup = [*args, "--value-warmup-updates", "1"]
+    _, reference = launch(warmup, tmp_path / "ddp")
+    _, rows = launch(warmup, tmp_path / "zero2", config="deepspeed_zero2.yaml")
+    assert rows[0]["lr"] == 0 and rows[1]["lr"] > 0
+    assert_same_run(rows, reference)
+
+
 def test_zero3_resume_with_sharded_generation(ddp_reference, tmp_path):
     """ZeRO-3 from the update-1 checkpoint of a ZeRO-3 run, sampling from the sharded weights (processes step together
     until every process's responses are done): update 2 is the unsharded run's update 2."""

@@ -339,17 +339,20 @@ def test_value_warmup_leaves_the_policy_and_trains_the_critic(assets, tmp_path, 
     assert rows[1]["val/explained_variance"] != pytest.approx(baseline[1]["val/explained_variance"], abs=1e-6)
 
 
-def test_value_warmup_leaves_the_policys_adam_state_untouched(assets, tmp_path):
-    """verl's critic_warmup never steps the actor: with zero gradients, AdamW would count steps and decay moments of
-    the policy, and its first real steps would be too large (bias correction out of step). After a warm-up update the
-    checkpoint holds Adam state for the value model's parameters alone."""
+def test_value_warmup_starts_the_policys_adam_afresh(assets, tmp_path):
+    """verl's critic_warmup never steps the actor. Here the warm-up steps the policy on zero gradients at lr 0 (as
+    DeepSpeed's engine does inside backward), which counts AdamW's steps and decays its moments: the first real steps
+    would be too large (bias correction out of step). So the policy's Adam state is dropped when the warm-up ends: at
+    update 2 the policy has taken the 4 steps of one update, the critic those of two."""
     run_ppo(args_for(assets, *EXACT, "--value-warmup-updates", "1", "--save-every", "1"), tmp_path)
-    saved = torch.load(tmp_path / "checkpoints" / "update-000001" / "optimizer.bin", weights_only=False)
-    groups = {g["name"]: g["params"] for g in saved["param_groups"]}
-    assert groups.keys() == {"policy", "value"}
-    assert not any(i in saved["state"] for i in groups["policy"])
-    steps = {float(saved["state"][i]["step"]) for i in groups["value"]}
-    assert steps == {4.0}  # 2 PPO epochs x 2 minibatches
+    steps = {}
+    for update in (1, 2):
+        saved = torch.load(tmp_path / "checkpoints" / f"update-00000{update}" / "optimizer.bin", weights_only=False)
+        groups = {g["name"]: g["params"] for g in saved["param_groups"]}
+        assert groups.keys() == {"policy", "value"}
+        steps[update] = {name: {float(saved["state"][i]["step"]) for i in ids} for name, ids in groups.items()}
+    assert steps[1] == {"policy": {4.0}, "value": {4.0}}  # 2 PPO epochs x 2 minibatches
+    assert steps[2] == {"policy": {4.0}, "value": {8.0}}
 
 
 def test_grpo_keeps_the_kl_out_of_its_advantages(assets, tmp_path):
