@@ -7,10 +7,14 @@
 # To keep the code fixed while the tree changes, run it from a snapshot of one commit (as the README's table was):
 #   mkdir -p runs/ablation-src && git archive COMMIT | tar -x -C runs/ablation-src && echo COMMIT > runs/ablation-src/COMMIT
 #   ln -s $PWD/cache runs/ablation-src/cache
-#   (cd runs/ablation-src && nohup python benchmarks/ablation.py --out ../ablation > ../ablation.log 2>&1 &)
+#   (cd runs/ablation-src && nohup python benchmarks/ablation.py --out ../ablation --keep ../../benchmarks/ablation_runs \
+#        > ../ablation.log 2>&1 &)
+# Each finished run's metrics.jsonl and run.json are also kept in benchmarks/ablation_runs/<row>/s<seed>/ (--keep),
+# committed: the README's table is built from them. To resume on another machine, copy them into --out first.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "ablation"
+KEEP = ROOT / "benchmarks" / "ablation_runs"  # the logs the table reads, committed
 SEEDS = (1, 2, 3)
 
 # the tasks: data built once into cache/, and the flags every row of the task shares (the same sampled tokens each)
@@ -86,6 +91,10 @@ def run(row: str, seed: int, threads: int) -> str:
     record = dict(row=row, seed=seed, returncode=proc.returncode, wall_s=round(time.time() - start, 1),
                   threads=threads, command=command(row, seed)[1:], commit=COMMIT, finished_at=time.ctime())
     (out / "run.json").write_text(json.dumps(record, indent=1))  # after the run, so a killed one is not finished
+    if proc.returncode == 0:
+        (KEEP / row / f"s{seed}").mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "run.json"):
+            shutil.copy(out / name, KEEP / row / f"s{seed}" / name)
     return f"{row} s{seed}: rc {proc.returncode}, {record['wall_s']:.0f} s"
 
 
@@ -105,8 +114,10 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--out", default=str(OUT), help="where the runs go (default runs/ablation)")
+    parser.add_argument("--keep", default=str(KEEP), help="where the finished runs' logs are kept")
     args = parser.parse_args()
     OUT = Path(args.out).resolve()
+    KEEP = Path(args.keep).resolve()
     rows = args.only or list(ROWS)
     unknown = set(rows) - set(ROWS)
     if unknown:

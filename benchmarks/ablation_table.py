@@ -1,7 +1,8 @@
-"""The ablation's table and plot from runs/ablation/<row>/s<seed>/ (benchmarks/ablation.py's runs).
+"""The ablation's table and plot from benchmarks/ablation_runs/<row>/s<seed>/ (benchmarks/ablation.py's runs, kept).
 
     python benchmarks/ablation_table.py                       # the Markdown table, printed; the plot beside it
     python benchmarks/ablation_table.py -o benchmarks/ablation.png --markdown runs/ablation/table.md
+    python benchmarks/ablation_table.py --runs runs/ablation     # the runs as they finish, before they are kept
 
 Per row, over its finished seeds: held-out accuracy (eval/scores: the reward, 1 for a right answer) before training and
 after the last update, as mean ± SD [min, max]; the gain; the mean response length of the last rollout; the critic's
@@ -130,7 +131,7 @@ def plot(table, output: Path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
+    parser.add_argument("--runs", default=str(ROOT / "benchmarks" / "ablation_runs"))
     parser.add_argument("-o", "--output", default=str(ROOT / "runs" / "ablation" / "ablation.png"))
     parser.add_argument("--markdown", help="also write the table here")
     args = parser.parse_args()
@@ -141,6 +142,7 @@ def main():
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     plot(table, Path(args.output))
     print(f"plot: {args.output}")
 

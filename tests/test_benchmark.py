@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, TINY, run_ppo, tiny_args
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import ablation  # noqa: E402
 import ablation_table  # noqa: E402
 import arithmetic  # noqa: E402
 import counting  # noqa: E402
@@ -143,6 +144,25 @@ def test_ablation_table_compares_each_row_with_plain_ppo_over_the_seed_ranges(tm
     assert lines["length-ppo"].endswith("| (baseline) |") and "| - |" in lines["length-grpo"]
     ablation_table.plot(table, tmp_path / "ablation.png")
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+
+
+def test_ablation_keeps_each_finished_runs_logs_and_nothing_of_a_failed_one(tmp_path, monkeypatch):
+    """The table is built from the kept logs (committed), so a failed run must leave none there."""
+    def fake_command(row, seed):  # ppo.py's stand-in: writes its metrics, then exits 0 for seed 1 only
+        out = ablation.OUT / row / f"s{seed}"
+        return [sys.executable, "-c", f"open({str(out / 'metrics.jsonl')!r}, 'w').write('{{}}\\n'); exit({seed} - 1)"]
+
+    monkeypatch.setattr(ablation, "command", fake_command)
+    monkeypatch.setattr(ablation, "OUT", tmp_path / "runs", raising=False)
+    monkeypatch.setattr(ablation, "KEEP", tmp_path / "kept", raising=False)
+    monkeypatch.setattr(ablation, "COMMIT", "abc1234", raising=False)
+    assert ablation.run("length-ppo", 1, threads=1).startswith("length-ppo s1: rc 0")
+    assert ablation.run("length-ppo", 2, threads=1).startswith("length-ppo s2: rc 1")
+    kept = tmp_path / "kept" / "length-ppo"
+    assert sorted(p.name for p in kept.iterdir()) == ["s1"]
+    assert (kept / "s1" / "metrics.jsonl").read_text() == "{}\n"
+    assert json.loads((kept / "s1" / "run.json").read_text())["commit"] == "abc1234"
+    assert ablation.finished("length-ppo", 1) and not ablation.finished("length-ppo", 2)
 
 
 # tiny_args without the flags that rescore.py sets itself
