@@ -133,16 +133,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default=str(ROOT / "benchmarks" / "ablation_runs"))
     parser.add_argument("-o", "--output", default=str(ROOT / "runs" / "ablation" / "ablation.png"))
-    parser.add_argument("--markdown", help="also write the table here")
+    parser.add_argument("--markdown", help="also write a page here: what the columns mean, then the table")
     args = parser.parse_args()
     table = {name: stats(runs) for name, runs in rows_of(Path(args.runs)).items()}
     if not table:
         raise SystemExit(f"no finished runs under {args.runs}")
     text = markdown(table)
     print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    for path in (args.output, args.markdown or args.output):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if args.markdown:  # a page of its own: what the columns mean (this docstring's), then the table
+        about = __doc__.split("\n\n")[2].replace("\n", " ")
+        how = ("The tasks, rows and commands: [benchmarks/README.md](README.md#the-reasoning-flags-an-ablation-on-two-"
+               "verifiable-tasks). Built from the kept runs by `python benchmarks/ablation_table.py --markdown "
+               "benchmarks/ablation.md -o benchmarks/ablation.png`.")
+        Path(args.markdown).write_text(f"# The reasoning flags' ablation\n\n{how}\n\n{about}\n\n{text}\n")
     plot(table, Path(args.output))
     print(f"plot: {args.output}")
 

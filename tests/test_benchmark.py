@@ -144,6 +144,12 @@ def test_ablation_table_compares_each_row_with_plain_ppo_over_the_seed_ranges(tm
     assert lines["length-ppo"].endswith("| (baseline) |") and "| - |" in lines["length-grpo"]
     ablation_table.plot(table, tmp_path / "ablation.png")
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    page, plot = tmp_path / "page" / "ablation.md", tmp_path / "page" / "ablation.png"
+    subprocess.run([sys.executable, "benchmarks/ablation_table.py", "--runs", str(tmp_path), "--markdown", str(page),
+                    "-o", str(plot)], cwd=ROOT, check=True, capture_output=True)
+    text = page.read_text()  # a page of its own: what the columns mean, then the same table
+    assert text.startswith("# The reasoning flags' ablation") and "Per row, over its finished seeds" in text
+    assert ablation_table.markdown(table) in text and plot.exists()
 
 
 def test_ablation_keeps_each_finished_runs_logs_and_nothing_of_a_failed_one(tmp_path, monkeypatch):
