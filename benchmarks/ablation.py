@@ -92,9 +92,10 @@ def run(row: str, seed: int, threads: int) -> str:
                   threads=threads, command=command(row, seed)[1:], commit=COMMIT, finished_at=time.ctime())
     (out / "run.json").write_text(json.dumps(record, indent=1))  # after the run, so a killed one is not finished
     if proc.returncode == 0:
-        (KEEP / row / f"s{seed}").mkdir(parents=True, exist_ok=True)
+        kept = KEEP / row / f"s{seed}"
+        kept.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "run.json"):
-            shutil.copy(out / name, KEEP / row / f"s{seed}" / name)
+            shutil.copy(out / name, kept / name)
     return f"{row} s{seed}: rc {proc.returncode}, {record['wall_s']:.0f} s"
 
 

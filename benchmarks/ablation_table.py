@@ -1,7 +1,7 @@
 """The ablation's table and plot from benchmarks/ablation_runs/<row>/s<seed>/ (benchmarks/ablation.py's runs, kept).
 
-    python benchmarks/ablation_table.py                       # the Markdown table, printed; the plot beside it
-    python benchmarks/ablation_table.py -o benchmarks/ablation.png --markdown runs/ablation/table.md
+    python benchmarks/ablation_table.py                       # the Markdown table, printed; the plot in runs/ablation/
+    python benchmarks/ablation_table.py --markdown benchmarks/ablation.md -o benchmarks/ablation.png   # the READMEs'
     python benchmarks/ablation_table.py --runs runs/ablation     # the runs as they finish, before they are kept
 
 Per row, over its finished seeds: held-out accuracy (eval/scores: the reward, 1 for a right answer) before training and
@@ -140,7 +140,7 @@ def main():
         raise SystemExit(f"no finished runs under {args.runs}")
     text = markdown(table)
     print(text)
-    for path in (args.output, args.markdown or args.output):
+    for path in filter(None, (args.output, args.markdown)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.markdown:  # a page of its own: what the columns mean (this docstring's), then the table
         about = __doc__.split("\n\n")[2].replace("\n", " ")
