@@ -50,6 +50,7 @@ ROWS = {  # name: flags beyond the task's (plain PPO: today's defaults)
     "length-decoupled-gae": ["--lam", "0.95", "--lam-critic", "1.0"],
     "length-adaptive-gae": ["--lam-length-alpha", "0.05"],
     "length-clip-higher": ["--cliprange-high", "0.28"],
+    # one micro-batch a minibatch on one process: the same runs as length-ppo (they differ under accumulation)
     "length-token-loss": ["--loss-aggregation", "token"],
     "length-positive-lm": ["--positive-lm-coef", "0.1"],
     "length-group-sampling": GROUP,
