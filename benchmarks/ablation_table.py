@@ -113,14 +113,17 @@ def plot(table, output: Path):
     tasks = sorted({name.split("-")[0] for name in table})
     fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for name, s in table.items():
-            if not name.startswith(task + "-"):
-                continue
+        rows = [name for name in table if name.startswith(task + "-")]
+        others = [name for name in rows if name != task + "-ppo"]  # plain PPO, the baseline, in black
+        colors = {task + "-ppo": "black", **dict(zip(others, plt.get_cmap("tab20").colors))}  # 12 rows: tab20
+        for name in rows:
+            s = table[name]
             points = min(len(c) for c in s["curves"])
             xs = [statistics.fmean(c[i][0] for c in s["curves"]) for i in range(points)]
             ys = [[c[i][1] for c in s["curves"]] for i in range(points)]
             style = "-" if name.endswith(("-ppo", "-vapo", "-grpo", "-rloo")) else ":"
-            line, = ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", label=name[len(task) + 1:])
+            line, = ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", color=colors[name],
+                            label=name[len(task) + 1:])
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.08)
         ax.set(title=f"{task} task", xlabel="response tokens sampled", ylabel="held-out accuracy")
         ax.grid(alpha=0.3)
