@@ -122,9 +122,9 @@ def plot(table, output: Path):
             xs = [statistics.fmean(c[i][0] for c in s["curves"]) for i in range(points)]
             ys = [[c[i][1] for c in s["curves"]] for i in range(points)]
             style = "-" if name.endswith(("-ppo", "-vapo", "-grpo", "-rloo")) else ":"
-            line, = ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", color=colors[name],
+            ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", color=colors[name],
                             label=name[len(task) + 1:])
-            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.08)
+            ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=colors[name], alpha=0.08)
         ax.set(title=f"{task} task", xlabel="response tokens sampled", ylabel="held-out accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -146,7 +146,7 @@ def main():
     for path in filter(None, (args.output, args.markdown)):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.markdown:  # a page of its own: what the columns mean (this docstring's), then the table
-        about = __doc__.split("\n\n")[2].replace("\n", " ")
+        about = " ".join(__doc__.split("\n\n")[2].split())
         how = ("The tasks, rows and commands: [benchmarks/README.md](README.md#the-reasoning-flags-an-ablation-on-two-"
                "verifiable-tasks). Built from the kept runs by `python benchmarks/ablation_table.py --markdown "
                "benchmarks/ablation.md -o benchmarks/ablation.png`.")
