@@ -7,7 +7,7 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from ppo_harness.reward_calls import TRAINER_KEYWORDS
+from ppo_harness.keywords import TRAINER_KEYWORDS
 from ppo_harness.writes import temporary_name
 
 DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"  # built from PyPI's vaderSentiment sdist on first use

@@ -13,12 +13,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ppo_harness.keywords import TRAINER_KEYWORDS
 from ppo_harness.reward_fns import assistant_prefix, prompt_text
 from ppo_harness.reward_logs import RewardLogs
 from ppo_harness.reward_server import served
 from ppo_harness.reward_stacks import openrlhf_texts
-
-TRAINER_KEYWORDS = ("trainer_state", "log_extra", "log_metric")  # TRL's, beside the data's keywords
 
 
 def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
