@@ -6,7 +6,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict
 
-from ppo_harness.run_folder import stop_asked
+from ppo_harness.preemption import stop_asked
 
 
 class ServedReward:

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from ppo_harness.run_folder import Preemption, RunFolder, save_checkpoint, save_models
+from ppo_harness.checkpoints import save_checkpoint
+from ppo_harness.preemption import Preemption
+from ppo_harness.run_folder import RunFolder
 from ppo_harness.run_log import RunLog, print_banner
+from ppo_harness.saved_models import save_models
 from ppo_harness.speed import CompileWatch
 
 

@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch.utils.tensorboard import SummaryWriter
 
-from ppo_harness.run_folder import LOGS, RunFolder, keep_rows_before, write_args
+from ppo_harness.log_files import LOGS, keep_rows_before
+from ppo_harness.run_folder import RunFolder, write_args
 
 CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
                    "eval/scores", "eval/kl", "objective/validation_score")  # those a run logs, on its console line

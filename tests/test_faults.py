@@ -16,6 +16,7 @@ import tyro
 import ppo
 import ppo_tldr
 from ppo_harness import run_folder
+from ppo_harness.checkpoints import CHECKSUMS, checkpoint_problem, find_checkpoint, save_checkpoint
 from conftest import ROOT, make_tokenizer, run_ppo, tiny_args, without_wall_clock
 from test_checkpoints import flat_weights
 
@@ -128,11 +129,11 @@ def test_a_damaged_checkpoint_is_named_and_resume_auto_falls_back_to_a_whole_one
     _, uninterrupted = run_ppo(args, out)  # 2 updates, a checkpoint after each
     weights = flat_weights(out / "model.safetensors")
     checkpoints = out / "checkpoints"
-    assert subprocess.run(["sha256sum", "--quiet", "-c", run_folder.CHECKSUMS], cwd=checkpoints / "update-000002").returncode \
+    assert subprocess.run(["sha256sum", "--quiet", "-c", CHECKSUMS], cwd=checkpoints / "update-000002").returncode \
         == 0  # the checksums are in the standard tool's format
     flip_bytes(checkpoints / "update-000002" / "optimizer.bin")  # the newest: 8 bytes flipped
     with pytest.raises(ValueError, match="update-000002/optimizer.bin differs from its checksum"):
-        run_folder.find_checkpoint(str(checkpoints / "update-000002"), None)
+        find_checkpoint(str(checkpoints / "update-000002"), None)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"update": 3, "objective/sc')  # a last line torn by a kill
     proc, rows = run_ppo(args + ["--resume", "auto", "--save-every", "2"], out)
@@ -149,15 +150,15 @@ def test_a_damaged_checkpoint_is_named_and_resume_auto_falls_back_to_a_whole_one
     events.Reload()  # the redone update's first points purged: each step once
     assert [e.step for e in events.Scalars("objective/scores")] == [1, 2]
     assert [e.step for e in events.Scalars("eval/scores")] == [0, 1, 2]
-    assert run_folder.checkpoint_problem(checkpoints / "update-000002") is None  # written anew
+    assert checkpoint_problem(checkpoints / "update-000002") is None  # written anew
     (checkpoints / "update-000002" / "model.safetensors").unlink()  # a file deleted
-    assert run_folder.find_checkpoint("auto", out) == (checkpoints / "update-000001", [
+    assert find_checkpoint("auto", out) == (checkpoints / "update-000001", [
         f"checkpoint {checkpoints / 'update-000002'} is damaged or incomplete: "
         f"{checkpoints / 'update-000002' / 'model.safetensors'}: No such file or directory",
         f"falling back to {checkpoints / 'update-000001'}, the newest whole checkpoint"])
     (checkpoints / "update-000001" / "trainer_state.json").unlink()
     with pytest.raises(ValueError, match="no whole checkpoint"):  # none left: refused, not started afresh
-        run_folder.find_checkpoint("auto", out)
+        find_checkpoint("auto", out)
 
 
 def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
@@ -170,11 +171,11 @@ def test_save_total_limit_prunes_this_runs_history_by_update_number(tmp_path):
     for update in (5, 8):
         (checkpoints / f"update-00000{update}").mkdir(parents=True)
         (checkpoints / f"update-00000{update}" / "trainer_state.json").write_text("{}")
-    run_folder.save_checkpoint(accelerator, kept(1), {"update": 6})
+    save_checkpoint(accelerator, kept(1), {"update": 6})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000008"]
     assert (checkpoints / "latest").read_text() == "update-000006"
-    assert run_folder.checkpoint_problem(checkpoints / "update-000006") is None
-    run_folder.save_checkpoint(accelerator, kept(2), {"update": 7})
+    assert checkpoint_problem(checkpoints / "update-000006") is None
+    save_checkpoint(accelerator, kept(2), {"update": 7})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000006", "update-000007",
                                                              "update-000008"]
 
@@ -307,7 +308,7 @@ def test_a_resume_from_an_older_checkpoint_continues_its_own_branch(assets, tmp_
                                                  str(checkpoints / "update-000001")]))[1]
     assert setup.folder.checkpoint == checkpoints / "update-000001"
     assert (checkpoints / "latest").read_text() == "update-000001"
-    assert run_folder.find_checkpoint("auto", out)[0] == checkpoints / "update-000001"
+    assert find_checkpoint("auto", out)[0] == checkpoints / "update-000001"
     abandoned = list(checkpoints.glob("abandoned-*"))
     assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].iterdir()) == ["update-000002",
                                                                                       "update-000003"]

@@ -21,6 +21,9 @@ from accelerate import Accelerator
 
 from conftest import ROOT
 from ppo_harness import launch, prompt_files, run_folder, run_log, writes
+from ppo_harness.checkpoints import CHECKSUMS, checkpoint_problem, find_checkpoint, save_checkpoint
+from ppo_harness.log_files import keep_rows_before, log_rows
+from ppo_harness.preemption import Preemption
 
 HARNESS = sorted((ROOT / "ppo_harness").glob("*.py"))
 
@@ -111,7 +114,7 @@ def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, t
     out = tmp_path / "run"
     folder = claim(accelerator, out)
     run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
-    run_folder.save_checkpoint(accelerator, folder, dict(update=2, **STATE))
+    save_checkpoint(accelerator, folder, dict(update=2, **STATE))
     resumed = claim(accelerator, out, resume="auto", save_every=2)
     assert resumed.checkpoint == out / "checkpoints" / "update-000002" and resumed.saved["update"] == 2
     assert resumed.changes == {"save_every": [0, 2]} and resumed.banner_lines() == [
@@ -130,9 +133,9 @@ def test_a_checkpoint_carries_the_flags_the_run_was_launched_with(accelerator, t
     out, flags = tmp_path / "run", Flags(output_dir=str(tmp_path / "run"))
     folder = run_folder.claim(accelerator, flags, STATE, set())
     flags.learning_rate = 0.5  # as a schedule in the loop would set it
-    run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=False, **STATE))
+    save_checkpoint(accelerator, folder, dict(update=2, finished=False, **STATE))
     assert claim(accelerator, out, resume="auto").changes == {}
-    run_folder.save_checkpoint(accelerator, folder, dict(update=3, finished=True, **STATE))
+    save_checkpoint(accelerator, folder, dict(update=3, finished=True, **STATE))
     with pytest.raises(SystemExit) as stopped:
         claim(accelerator, out, resume="auto")
     assert stopped.value.code == 0
@@ -144,7 +147,7 @@ def branched_run(accelerator, out):
     run_folder.write_args(out, Flags(output_dir=str(out)), folder.run_name, {}, 1)
     (out / "metrics.jsonl").write_text('{"update": 1}\n')
     for update in (1, 2):
-        run_folder.save_checkpoint(accelerator, folder, dict(update=update, finished=False, **STATE))
+        save_checkpoint(accelerator, folder, dict(update=update, finished=False, **STATE))
     claim(accelerator, out, resume=str(out / "checkpoints" / "update-000001"))
     return next((out / "checkpoints").glob("abandoned-*")) / "update-000002"
 
@@ -207,14 +210,14 @@ def test_the_lock_is_taken_before_a_checkpoint_is_chosen(accelerator, tmp_path, 
     start moved update 2 aside and trained it again."""
     out = tmp_path / "run"
     folder = claim(accelerator, out)
-    run_folder.save_checkpoint(accelerator, folder, dict(update=1, finished=False, **STATE))
+    save_checkpoint(accelerator, folder, dict(update=1, finished=False, **STATE))
     running = subprocess.Popen(["sleep", "60"])
     (out / ".lock").write_text(f"{socket.gethostname()} {running.pid}")  # the first run, in its last update
     find_checkpoint = run_folder.find_checkpoint
 
     def the_run_ends_meanwhile(resume, output_dir):
         found = find_checkpoint(resume, output_dir)
-        run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))
+        save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))
         (out / ".lock").unlink()
         return found
     monkeypatch.setattr(run_folder, "find_checkpoint", the_run_ends_meanwhile)
@@ -225,7 +228,7 @@ def test_the_lock_is_taken_before_a_checkpoint_is_chosen(accelerator, tmp_path, 
         running.kill()
         running.wait()
     monkeypatch.undo()
-    run_folder.save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))  # the run ends
+    save_checkpoint(accelerator, folder, dict(update=2, finished=True, **STATE))  # the run ends
     (out / ".lock").unlink()
     capsys.readouterr()
     with pytest.raises(SystemExit) as stopped:
@@ -273,25 +276,25 @@ def test_a_signal_during_start_up_releases_the_lock(tmp_path):
 def test_checkpoints_are_verified_and_pruned(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2, 3):
-        run_folder.save_checkpoint(accelerator, folder_of(tmp_path, save_total_limit=2), {"update": update})
+        save_checkpoint(accelerator, folder_of(tmp_path, save_total_limit=2), {"update": update})
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "update-000002", "update-000003"]
-    assert run_folder.find_checkpoint("auto", tmp_path) == (checkpoints / "update-000003", [])
+    assert find_checkpoint("auto", tmp_path) == (checkpoints / "update-000003", [])
     state = checkpoints / "update-000003" / "trainer_state.json"
     state.write_text(state.read_text().replace("3", "4"))  # changed since written
-    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    found, notes = find_checkpoint("auto", tmp_path)
     assert found == checkpoints / "update-000002" and "differs from its checksum" in notes[0]
     with pytest.raises(ValueError, match="not a checkpoint directory"):
-        run_folder.find_checkpoint(str(tmp_path), None)
+        find_checkpoint(str(tmp_path), None)
 
 
 def test_logs_keep_the_rows_before_a_resume_and_name_a_bad_line(tmp_path):
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"update": 1}\n{"update": 2}\n{"update": 3, "obj')  # the last line torn by a kill
-    run_folder.keep_rows_before(log, 2)
+    keep_rows_before(log, 2)
     assert log.read_text() == '{"update": 1}\n'
     log.write_text('{"update": 1}\n{"upd\n{"update": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
-        run_folder.log_rows(log)
+        log_rows(log)
 
 
 def test_a_full_disk_is_named_with_the_folder(tmp_path):
@@ -407,28 +410,28 @@ def test_writes_are_whole_or_absent(tmp_path):
 def test_damage_to_latest_or_the_checksums_is_named_and_an_older_whole_checkpoint_taken(accelerator, tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for update in (1, 2):
-        run_folder.save_checkpoint(accelerator, folder_of(tmp_path), {"update": update})
+        save_checkpoint(accelerator, folder_of(tmp_path), {"update": update})
     (checkpoints / "latest").write_bytes(b"\xff\xfe garbage")
-    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    found, notes = find_checkpoint("auto", tmp_path)
     assert found == checkpoints / "update-000002" and "latest is damaged" in notes[0]
-    sums = checkpoints / "update-000002" / run_folder.CHECKSUMS
+    sums = checkpoints / "update-000002" / CHECKSUMS
     sums.write_text(sums.read_text().replace("  ", " ", 1))  # a malformed line
-    found, notes = run_folder.find_checkpoint("auto", tmp_path)
+    found, notes = find_checkpoint("auto", tmp_path)
     assert found == checkpoints / "update-000001" and f"{sums} line 1 is damaged" in notes[1]
     sums.write_bytes(b"\xff" * 10)  # not text
-    assert run_folder.checkpoint_problem(checkpoints / "update-000002") == f"{sums} is damaged (not text)"
+    assert checkpoint_problem(checkpoints / "update-000002") == f"{sums} is damaged (not text)"
     sums.unlink()  # written with checksums (format 2): without them it is incomplete, not trusted unverified
-    assert run_folder.checkpoint_problem(checkpoints / "update-000002") == f"{sums} is missing"
+    assert checkpoint_problem(checkpoints / "update-000002") == f"{sums} is missing"
     state = checkpoints / "update-000001" / "trainer_state.json"
-    (checkpoints / "update-000001" / run_folder.CHECKSUMS).unlink()
+    (checkpoints / "update-000001" / CHECKSUMS).unlink()
     state.write_text(json.dumps({"update": 1}))  # an older checkpoint, from before checksums: taken as it is
-    assert run_folder.checkpoint_problem(checkpoints / "update-000001") is None
+    assert checkpoint_problem(checkpoints / "update-000001") is None
 
 
 def test_a_signal_asks_every_process_to_stop_after_the_update(accelerator):
     import signal
 
-    preemption = run_folder.Preemption()
+    preemption = Preemption()
     try:
         assert not preemption.requested(accelerator)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
-from ppo_harness import run_folder, speed
+from ppo_harness import speed
+from ppo_harness.saved_models import VALUE_HEAD_FILE, load_value_head
 from conftest import REWARD_FN, build_models, run_ppo, tiny_args, without_wall_clock
 
 PAD = 40  # outside the tiny vocabulary, like the [PAD] ppo.py adds
@@ -179,7 +180,7 @@ def test_saved_adapter_and_value_head_reload(shared_head_run, llama):
     for name, p in policy.named_parameters():  # the adapter as trained
         if "lora_" in name:
             torch.testing.assert_close(p, trained["policy." + name], rtol=0, atol=0)
-    head = run_folder.load_value_head(out / run_folder.VALUE_HEAD_FILE)
+    head = load_value_head(out / VALUE_HEAD_FILE)
     torch.testing.assert_close(head.weight, trained["value_head.weight"], rtol=0, atol=0)
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     qr = ppo.left_pad(QR, PAD)

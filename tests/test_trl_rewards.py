@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 import ppo
 from ppo_harness.reward_calls import call_reward_fn, call_reward_fns, reward_fn_kwargs
-from ppo_harness import run_folder
+from ppo_harness.preemption import Preemption, stop_asked
 from ppo_harness.reward_logs import RewardLogs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
@@ -246,7 +246,7 @@ def test_a_signal_stops_the_retries_and_names_the_newest_checkpoint(server, tmp_
     (checkpoints / "latest").write_text("update-000003")
     fn = ppo.load_reward_fn(base + "/slow", 0.2, 3)
     kwargs = dict(prompts=["a"], completions=["w7"], completion_ids=[[8]], **RewardLogs(1).keywords())
-    preemption = run_folder.Preemption(checkpoints)
+    preemption = Preemption(checkpoints)
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # the run's handler notes it; the update goes on
         with pytest.raises(RuntimeError) as error:
@@ -259,7 +259,7 @@ def test_a_signal_stops_the_retries_and_names_the_newest_checkpoint(server, tmp_
     assert "not retried: SIGTERM asked the run to stop" in message and "TimeoutError" in message
     assert f"the newest checkpoint is {checkpoints / 'update-000003'}: continue with the same command and --resume " \
         "auto" in message and "openrlhf" not in message.lower()
-    assert run_folder.stop_asked() is None  # the handler replaced: no stop asked any more
+    assert stop_asked() is None  # the handler replaced: no stop asked any more
 
 
 def test_openrlhfs_protocol_posted_to_a_server_of_ours_names_the_flag(server):
