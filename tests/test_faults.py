@@ -15,7 +15,7 @@ import tyro
 
 import ppo
 import ppo_tldr
-from ppo_harness import run_folder
+from ppo_harness import folder_lock, run_folder
 from ppo_harness.checkpoints import CHECKSUMS, checkpoint_problem, find_checkpoint, save_checkpoint
 from conftest import ROOT, make_tokenizer, run_ppo, tiny_args, without_wall_clock
 from test_checkpoints import flat_weights
@@ -358,7 +358,7 @@ def test_an_empty_lock_is_stale_and_a_full_disk_leaves_none(assets, tmp_path, mo
     def no_space(fd, mode):
         os.close(fd)
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(run_folder.os, "fdopen", no_space)
+    monkeypatch.setattr(folder_lock.os, "fdopen", no_space)
     with pytest.raises(ValueError, match="no space left on device"):
         set_up(assets, full)
     assert not (full / ".lock").exists()

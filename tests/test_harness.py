@@ -3,7 +3,6 @@ folder (claim, lock, resume check, checkpoints, logs), the run log, the flags' i
 import ast
 import dataclasses
 import graphlib
-import inspect
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -108,6 +108,42 @@ def test_claim_takes_a_new_folder_and_refuses_another_runs(accelerator, tmp_path
     (out / ".lock").write_text("other-host 4242")  # another host's live lock
     with pytest.raises(ValueError, match="in use by the run of process 4242 on host other-host"):
         claim(accelerator, out)
+
+
+def test_runs_starting_at_once_take_a_stale_lock_once(tmp_path):
+    """Four processes lock one folder at the same moment, its lock left by a killed run: one takes it and the three
+    others are refused with its pid (a flock guards the record's read, check and write, so no two find it stale)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (out / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from ppo_harness.folder_lock import lock_output_dir
+
+        time.sleep(max({time.time() + 3} - time.time(), 0))  # every process started: all lock at once
+        try:
+            lock_output_dir(Path({str(out)!r}), take=True, stale_after=1800)
+            print("took", flush=True)
+        except ValueError as error:
+            print(error, flush=True)
+        sys.stdin.read()  # alive until every answer is in: a refused run must find the taker live
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    try:
+        answers = [proc.stdout.readline().strip() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.communicate("", timeout=60)
+    takers = [proc for proc, answer in zip(procs, answers) if answer == "took"]
+    assert len(takers) == 1, answers
+    assert all(f"in use by the run of process {takers[0].pid} on host" in answer for answer in answers
+               if answer != "took"), answers
+    assert not (out / ".lock").exists()  # released by the taker at its exit
 
 
 def test_a_resume_continues_its_checkpoint_and_compares_the_flags(accelerator, tmp_path):
@@ -483,24 +519,3 @@ def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspe
         should_compile(NS(compile="on"), accelerator(deepspeed=object()), 1000)
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py"])
-def test_the_speed_layers_contract_with_the_scripts_is_written_once_and_kept(script):
-    """The names ppo_harness/speed.py calls in a script (`SCRIPT_CONTRACT`) are functions both scripts define, with
-    the parameters the speed layer passes; a copy that lost one is refused by name before any model loads."""
-    import importlib
-    import types
-
-    from ppo_harness.speed import SCRIPT_CONTRACT, check_contract
-
-    module = importlib.import_module(script.removesuffix(".py"))
-    check_contract(module)
-    params = {name: list(inspect.signature(getattr(module, name)).parameters) for name in SCRIPT_CONTRACT}
-    assert params["response_logprobs"][:6] == ["policy", "query_responses", "pad_token_id", "context_length",
-                                               "response_ids", "temperature"]
-    assert {"trunk", "fused_head", "with_hidden", "with_entropy"} <= set(params["response_logprobs"])
-    assert params["generate"][-1] == "shortcuts" and params["model_inputs"] == ["query_responses", "pad_token_id"]
-    copy = types.ModuleType("copy")
-    copy.__file__ = "my_ppo.py"
-    copy.__dict__.update({name: getattr(module, name) for name in SCRIPT_CONTRACT if name != "generate"})
-    with pytest.raises(AttributeError, match=r"my_ppo.py: the speed layer .* calls \['generate'\]"):
-        check_contract(copy)
