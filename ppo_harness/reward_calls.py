@@ -120,15 +120,25 @@ def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
                            f"{type(e).__name__}: {e}") from e
 
 
+# The loop runs in a daemon thread, not through asyncio.Runner: TRL's GRPOTrainer runs async reward
+# functions so (start_event_loop_in_daemon, run_coroutine_threadsafe), and a function written for
+# it keeps that: its loop keeps running between calls, so a client's background tasks (keep-alive
+# pings, a pool's clean-up) go on while the run trains, and it is called even where the caller's
+# own thread already runs a loop (a notebook), where asyncio.Runner.run refuses to start.
 _event_loop = None
+_event_loop_started = threading.Lock()
+
 
 def await_together(coroutines: list) -> list:
-    """Results (or exceptions) of coroutines awaited together (asyncio.gather), as TRL, on one event loop kept for the
-    run in a thread of its own: an async client a function keeps between calls stays on its loop."""
+    """Results (or exceptions) of coroutines awaited together (asyncio.gather), as TRL, on one
+    event loop kept for the run in a thread of its own: an async client a function keeps between
+    calls stays on its loop."""
     global _event_loop
-    if _event_loop is None:
-        _event_loop = asyncio.new_event_loop()
-        threading.Thread(target=_event_loop.run_forever, daemon=True).start()
+    with _event_loop_started:
+        if _event_loop is None:
+            _event_loop = asyncio.new_event_loop()
+            threading.Thread(target=_event_loop.run_forever, name="reward-functions",
+                             daemon=True).start()
 
     async def gather():
         return await asyncio.gather(*coroutines, return_exceptions=True)

@@ -127,6 +127,24 @@ def test_async_functions_run_together_in_the_users_order():
     assert order[:2] == [(1.0, True), (3.0, True)] and sorted(order[2:]) == ["a", "b"]
 
 
+def test_async_functions_keep_one_running_loop_even_under_a_callers_loop():
+    """Async functions run on the harness's own loop in its thread, as TRL runs them: a caller that already runs a
+    loop (a notebook) gets its scores, and a function meets the same loop, still running, on every call."""
+    loops = []
+
+    async def fn(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        return [1.0] * len(completions)
+
+    kwargs = dict(prompts=["a"], completions=["w7"], completion_ids=[[8]])
+
+    async def inside_a_loop():
+        return call_reward_fn(fn, kwargs, "cpu", "fn")
+    assert asyncio.run(inside_a_loop()).tolist() == [1.0]
+    assert call_reward_fn(fn, kwargs, "cpu", "fn").tolist() == [1.0]
+    assert loops[0] is loops[1] and loops[0].is_running()
+
+
 def test_a_function_that_raises_or_times_out_is_named():
     kwargs = dict(prompts=["a", "b"], completions=["w7", "w1"], completion_ids=[[8], [2]])
 
