@@ -1,6 +1,7 @@
-"""Checkpoints: accelerate's state written aside with the flags the run was launched with and every file's sha256,
-renamed into place, pruned to --save-total-limit; found for a resume (`latest`, else the newest whole one) and verified
-before it loads; a resume of an older one moves the later ones aside (`branch_at`)."""
+"""Checkpoints: accelerate's state written aside with the flags the run was launched with and every
+file's sha256, renamed into place, pruned to --save-total-limit; found for a resume (`latest`, else
+the newest whole one) and verified before it loads; a resume of an older one moves the later ones
+aside (`branch_at`)."""
 import hashlib
 import json
 import os
@@ -14,22 +15,28 @@ from accelerate.utils import broadcast_object_list
 
 from ppo_harness.writes import disk_space_named, write_atomic
 
-CHECKSUMS = "checksums.sha256"  # in each checkpoint: every file's sha256, verified before a resume loads it
-FORMAT = 2  # trainer_state.json's format: 2 carries the flags; such a checkpoint without its checksums is incomplete
+# in each checkpoint: every file's sha256, verified before a resume loads it
+CHECKSUMS = "checksums.sha256"
+# trainer_state.json's format: 2 carries the flags; such a checkpoint without its checksums is
+# incomplete
+FORMAT = 2
 
 
 def save_checkpoint(accelerator, folder, state: dict) -> None:
-    """accelerate's save_state written aside (a name unique to this run), its trainer_state.json (`state`, the flags
-    the run was launched with, the format) and checksums added, renamed into place, then `latest` moved: a kill never
-    leaves a half checkpoint. --save-total-limit counts this run's checkpoints up to this one, which it keeps.
-    `folder`: the `RunFolder` that `claim` took (its checkpoints folder, and the flags as launched)."""
+    """accelerate's save_state written aside (a name unique to this run), its trainer_state.json
+    (`state`, the flags the run was launched with, the format) and checksums added, renamed into
+    place, then `latest` moved: a kill never leaves a half checkpoint. --save-total-limit counts
+    this run's checkpoints up to this one, which it keeps. `folder`: the `RunFolder` that `claim`
+    took (its checkpoints folder, and the flags as launched)."""
     checkpoints = folder.checkpoints
-    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]  # the main process's, on every rank
+    # the main process's, on every rank
+    owner = broadcast_object_list([f"{socket.gethostname()}-{os.getpid()}"])[0]
     final = checkpoints / f"update-{state['update']:06d}"
     tmp = checkpoints / f".tmp-{final.name}-{owner}"
     with disk_space_named(checkpoints):
         if accelerator.is_main_process:
-            for left in checkpoints.glob(".tmp-update-*"):  # by a run killed while saving (the lock keeps others out)
+            # by a run killed while saving (the lock keeps others out)
+            for left in checkpoints.glob(".tmp-update-*"):
                 shutil.rmtree(left)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp))
@@ -52,14 +59,17 @@ def save_checkpoint(accelerator, folder, state: dict) -> None:
 
 def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, verified, and notes on those passed over. `auto`: the one that
-    output_dir/checkpoints/latest names, else the newest whole one before it (None if there is none yet)."""
+    output_dir/checkpoints/latest names, else the newest whole one before it (None if there is none
+    yet)."""
     if resume != "auto":
         path = checkpoint_dir(resume)
         if problem := checkpoint_problem(path):
-            raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}; resume from another one")
+            raise ValueError(f"--resume {resume}: the checkpoint is damaged: {problem}; "
+                             "resume from another one")
         return path, []
     if output_dir is None:
-        raise ValueError("--resume auto needs --output-dir: the run folder to look for checkpoints in")
+        raise ValueError("--resume auto needs --output-dir: the run folder to "
+                         "look for checkpoints in")
     checkpoints, notes = output_dir / "checkpoints", []
     candidates = sorted(checkpoint_dirs(checkpoints), key=update_number, reverse=True)
     latest = checkpoints / "latest"
@@ -69,23 +79,28 @@ def find_checkpoint(resume: str, output_dir: Path | None) -> tuple[Path | None, 
             named = checkpoints / name
             candidates = [named] + [p for p in candidates if update_number(p) < update_number(named)]
         else:
-            notes.append(f"{latest} is damaged ({name[:40]!r}): ignored, the checkpoints taken by their numbers")
+            notes.append(f"{latest} is damaged ({name[:40]!r}): ignored, the checkpoints "
+                         "taken by their numbers")
     for candidate in candidates:
         if problem := checkpoint_problem(candidate):
             notes.append(f"checkpoint {candidate} is damaged or incomplete: {problem}")
         else:
             fallback = any(n.startswith("checkpoint ") for n in notes)
-            return candidate, notes + [f"falling back to {candidate}, the newest whole checkpoint"] * fallback
+            return candidate, notes + [f"falling back to {candidate}, the "
+                                       "newest whole checkpoint"] * fallback
     if any(n.startswith("checkpoint ") for n in notes):
-        raise ValueError(f"--resume auto: no whole checkpoint in {checkpoints}: " + "; ".join(notes))
+        raise ValueError("--resume auto: no whole "
+                         f"checkpoint in {checkpoints}: " + "; ".join(notes))
     return None, notes
 
 
 def checkpoint_dir(resume: str) -> Path:
-    """--resume's folder, if it looks like a checkpoint (before its run's folder is taken; verified after)."""
+    """--resume's folder, if it looks like a checkpoint (before its run's folder is taken; verified
+    after)."""
     path = Path(resume)
     if not path.is_dir() or not {"trainer_state.json", CHECKSUMS} & {p.name for p in path.iterdir()}:
-        raise ValueError(f"--resume {resume}: not a checkpoint directory (runs/<run>/checkpoints/update-NNNNNN)")
+        raise ValueError(f"--resume {resume}: not a checkpoint directory "
+                         "(runs/<run>/checkpoints/update-NNNNNN)")
     return path
 
 
@@ -100,8 +115,9 @@ def update_number(checkpoint: Path) -> int:
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since written), or None. One
-    written since checkpoints carry their flags (`FORMAT`) is incomplete without its checksums."""
+    """Why a checkpoint cannot be resumed from (a file missing, unreadable or changed since
+    written), or None. One written since checkpoints carry their flags (`FORMAT`) is incomplete
+    without its checksums."""
     state = folder / "trainer_state.json"
     if not state.is_file():
         return f"{state} is missing"
@@ -129,9 +145,11 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def write_checksums(folder: Path) -> None:
-    """The sha256 of every file of a checkpoint, in `sha256sum -c` format: a resume verifies them before loading."""
+    """The sha256 of every file of a checkpoint, in `sha256sum -c` format: a resume verifies them
+    before loading."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    (folder / CHECKSUMS).write_text("".join(f"{file_sha256(p)}  {p.relative_to(folder)}\n" for p in files))
+    (folder / CHECKSUMS).write_text("".join(f"{file_sha256(p)}  "
+                                            f"{p.relative_to(folder)}\n" for p in files))
 
 
 def file_sha256(path: Path) -> str:
@@ -141,9 +159,9 @@ def file_sha256(path: Path) -> str:
 
 
 def branch_at(checkpoint: Path) -> list[str]:
-    """Resuming a checkpoint older than the folder's newest: the later ones (a future this run abandons) are moved,
-    never deleted, into checkpoints/abandoned-<time>/, and `latest` names the resumed one, so --resume auto
-    continues this branch. The banner's lines on it."""
+    """Resuming a checkpoint older than the folder's newest: the later ones (a future this run
+    abandons) are moved, never deleted, into checkpoints/abandoned-<time>/, and `latest` names the
+    resumed one, so --resume auto continues this branch. The banner's lines on it."""
     checkpoints = checkpoint.parent
     later = [p for p in checkpoint_dirs(checkpoints) if update_number(p) > update_number(checkpoint)]
     if later:
@@ -152,5 +170,6 @@ def branch_at(checkpoint: Path) -> list[str]:
         for path in later:
             os.replace(path, aside / path.name)
     write_atomic(checkpoints / "latest", checkpoint.name)
-    return [f"resumed from {checkpoint.name}: the later {', '.join(p.name for p in later)} moved to {aside}"] if (
+    return [f"resumed from {checkpoint.name}: the later "
+            f"{', '.join(p.name for p in later)} moved to {aside}"] if (
         later) else []

@@ -1,7 +1,8 @@
-"""Reward functions called as TRL 1.12's GRPOTrainer calls them: the keywords `prompts`, `completions`,
-`completion_ids`, every other column of the rows, and TRL's `trainer_state`, `log_extra` and `log_metric`; `async def`
-ones awaited together; each output checked to be one number or None per row; each local function tried once at
-start-up. A training script scores with its reward models itself and calls `function_scores` for the functions."""
+"""Reward functions called as TRL 1.12's GRPOTrainer calls them: the keywords `prompts`,
+`completions`, `completion_ids`, every other column of the rows, and TRL's `trainer_state`,
+`log_extra` and `log_metric`; `async def` ones awaited together; each output checked to be one
+number or None per row; each local function tried once at start-up. A training script scores with
+its reward models itself and calls `function_scores` for the functions."""
 import asyncio
 import copy
 import inspect
@@ -21,14 +22,16 @@ from ppo_harness.reward_stacks import openrlhf_texts
 
 
 def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
-    """A reward function's data keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts` as the dataset
-    gives them, `completions` (decoded; for message-list prompts `[{"role": "assistant", "content": ...}]`, a continued
-    assistant prefix included: README), `completion_ids` (up to the stop token) and every other column of the rows."""
+    """A reward function's data keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts`
+    as the dataset gives them, `completions` (decoded; for message-list prompts `[{"role":
+    "assistant", "content": ...}]`, a continued assistant prefix included: README), `completion_ids`
+    (up to the stop token) and every other column of the rows."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     prompts = rows[prompt_column]
     completions = [[{"role": "assistant", "content": assistant_prefix(p) + t}] if isinstance(p, list) else t
                    for p, t in zip(prompts, texts)]
-    # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's tokenised prompt
+    # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's
+    # tokenised prompt
     columns = {k: v for k, v in rows.items() if k not in (prompt_column, "input_ids", "completion", "completion_ids")}
     return dict(prompts=prompts, completions=completions,
                 completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in responses], **columns)
@@ -36,11 +39,12 @@ def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch
 
 def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: int, logs: RewardLogs,
                     judged: list[bool] | None = None) -> dict:
-    """Each reward function's scores of `responses` to `rows` by name (on the responses' device), called with
-    `reward_fn_kwargs` and TRL's trainer keywords, logging into `logs`. `rewards`: a script's record of them (`names`,
-    reward models first; `fn_specs`, `fns`, `model_paths`, `policy_tokenizer`, `prompt_column`, `chat`, `max_steps`,
-    `updates_per_epoch`). `judged`: the rows the functions see (a process's own held-out rows: not the ones its share
-    repeats so that every process samples as many, which another process's judge sees), the others' scores NaN."""
+    """Each reward function's scores of `responses` to `rows` by name (on the responses' device),
+    called with `reward_fn_kwargs` and TRL's trainer keywords, logging into `logs`. `rewards`: a
+    script's record of them (`names`, reward models first; `fn_specs`, `fns`, `model_paths`,
+    `policy_tokenizer`, `prompt_column`, `chat`, `max_steps`, `updates_per_epoch`). `judged`: the
+    rows the functions see (a process's own held-out rows: not the ones its share repeats so that
+    every process samples as many, which another process's judge sees), the others' scores NaN."""
     names = rewards.names[len(rewards.model_paths):]
     if judged is not None and not all(judged):
         keep = [i for i, own in enumerate(judged) if own]
@@ -56,7 +60,8 @@ def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: i
     kwargs = reward_fn_kwargs(tokenizer, rows, rewards.prompt_column, responses)
     trainer = dict(trainer_state=trainer_state(global_step, rewards.max_steps, rewards.updates_per_epoch,
                                                len(responses)), **logs.keywords())
-    if any(getattr(fn, "rendered", False) for fn in rewards.fns):  # OpenRLHF's texts, as OpenRLHF makes them
+    # OpenRLHF's texts, as OpenRLHF makes them
+    if any(getattr(fn, "rendered", False) for fn in rewards.fns):
         rendered = openrlhf_texts(tokenizer, rows[rewards.prompt_column], rows["input_ids"], rewards.chat, responses)
     return dict(zip(names, call_reward_fns([
         (fn, {**kwargs, **trainer, **(rendered if getattr(fn, "rendered", False) else {})}, spec)
@@ -64,9 +69,9 @@ def function_scores(rewards, rows: dict, responses: torch.Tensor, global_step: i
 
 
 def trainer_state(global_step: int, max_steps: int, updates_per_epoch: int, rows: int):
-    """TRL's `trainer_state` keyword: transformers' TrainerState, as TRL passes its trainer's. Here `global_step` counts
-    the updates done (TRL: optimizer steps): an update's rollout is scored at update - 1, the evaluation after it at
-    update; `epoch` counts the passes over the prompts."""
+    """TRL's `trainer_state` keyword: transformers' TrainerState, as TRL passes its trainer's. Here
+    `global_step` counts the updates done (TRL: optimizer steps): an update's rollout is scored at
+    update - 1, the evaluation after it at update; `epoch` counts the passes over the prompts."""
     from accelerate import PartialState
     from transformers import TrainerState
 
@@ -78,8 +83,9 @@ def trainer_state(global_step: int, max_steps: int, updates_per_epoch: int, rows
 
 
 def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
-    """(fn, kwargs, name) calls in the order given, the async ones' coroutines then awaited together; each checked to
-    return, per completion, a finite number or None (the row is not judged: NaN, see `score_responses`)."""
+    """(fn, kwargs, name) calls in the order given, the async ones' coroutines then awaited
+    together; each checked to return, per completion, a finite number or None (the row is not
+    judged: NaN, see `score_responses`)."""
     started = []
     try:
         started.extend((*start_reward_fn(fn, kwargs, name), name) for fn, kwargs, name in calls)
@@ -91,24 +97,27 @@ def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
     for i, out in zip(waiting, await_together([started[i][0] for i in waiting]) if waiting else []):
         if isinstance(out, BaseException):
             _, kwargs, name = started[i]
-            raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, raised "
-                               f"{type(out).__name__}: {out}") from out
+            raise RuntimeError(f"--reward-fn {name}, called with the keywords "
+                               f"{', '.join(kwargs)}, raised {type(out).__name__}: {out}") from out
         started[i] = (out, *started[i][1:])
     return [checked_scores(out, kwargs, device, name) for out, kwargs, name in started]
 
 
 def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
-    """Call a reward function with `reward_fn_kwargs` (and TRL's trainer keywords, where its signature takes them):
-    (its output, or an async function's coroutine; the keywords, for messages). Errors name the function."""
+    """Call a reward function with `reward_fn_kwargs` (and TRL's trainer keywords, where its
+    signature takes them): (its output, or an async function's coroutine; the keywords, for
+    messages). Errors name the function."""
     try:
         params = inspect.signature(fn).parameters
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):  # a function that never took them still runs
+        # a function that never took them still runs
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             kwargs = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS or k in params}
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
-        raise ValueError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, cannot take them ({e}). "
-                         "Reward functions take keywords, as TRL's GRPOTrainer: def f(completions, **kwargs) -> "
-                         "list[float | None], a dataset column arriving as the keyword of its name, e.g. def "
+        raise ValueError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
+                         f"cannot take them ({e}). Reward functions take keywords, as TRL's "
+                         "GRPOTrainer: def f(completions, **kwargs) -> list[float | None], a "
+                         "dataset column arriving as the keyword of its name, e.g. def "
                          "accuracy(completions, solution, **kwargs)") from None
     except ValueError:  # no signature to read (some builtins): the call itself will tell
         pass
@@ -116,8 +125,8 @@ def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
     try:  # a copy: a function may edit its inputs (TRL's own code pops prompts)
         return fn(**copy.deepcopy(data), **{k: kwargs[k] for k in TRAINER_KEYWORDS if k in kwargs}), kwargs
     except Exception as e:
-        raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, raised "
-                           f"{type(e).__name__}: {e}") from e
+        raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
+                           f"raised {type(e).__name__}: {e}") from e
 
 
 # The loop runs in a daemon thread, not through asyncio.Runner: TRL's GRPOTrainer runs async reward
@@ -151,27 +160,31 @@ def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tenso
 
 
 def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
-    """A reward function's output as scores, NaN for None; refused unless one finite number or None per completion."""
+    """A reward function's output as scores, NaN for None; refused unless one finite number or None
+    per completion."""
     called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
     values, n = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out, len(kwargs["completions"])
     if not isinstance(values, (list, tuple)) or len(values) != n:
-        raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a list of {n} numbers "
-                         "(or None), one per completion")
+        raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a "
+                         f"list of {n} numbers (or None), one per completion")
     values = [v.item() if isinstance(v, np.generic) or isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v
               for v in values]  # numpy's and torch's scalars (np.bool_ too) as Python numbers
     if not all(v is None or isinstance(v, numbers.Real) for v in values):
         bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
-        raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number or None per completion")
+        raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number "
+                         "or None per completion")
     scores = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
     scores = scores.to(device=device, dtype=torch.float32)
     if not torch.isfinite(scores[[v is not None for v in values]]).all():
-        raise ValueError(f"{called} returned a non-finite score (return None for a row it does not judge): {values}")
+        raise ValueError(f"{called} returned a non-finite score (return None for a row it does "
+                         f"not judge): {values}")
     return scores
 
 
 def unjudged_rows(components: dict, functions: list[str], judged: list[bool] | None = None) -> torch.Tensor:
-    """The rows no reward judged: every reward is a function, and each returned None (a reward model judges every row:
-    its NaN is no None); of the rows the functions saw (`judged`, see `function_scores`)."""
+    """The rows no reward judged: every reward is a function, and each returned None (a reward model
+    judges every row: its NaN is no None); of the rows the functions saw (`judged`, see
+    `function_scores`)."""
     if functions and len(functions) == len(components):
         unjudged = torch.stack([components[n].isnan() for n in functions]).all(0)
         return unjudged if judged is None else unjudged & torch.tensor(judged, device=unjudged.device)
@@ -184,27 +197,28 @@ def check_every_row_judged(components: dict, functions: list[str], prompts: list
     unjudged = unjudged_rows(components, functions, judged)
     if unjudged.any():
         prompt = prompt_text(prompts[unjudged.nonzero()[0].item()])
-        raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each row needs a reward "
-                         "that judges it (--unjudged-rows stop)")
+        raise ValueError(f"every reward returned None for the prompt {prompt!r:.300}{when}: each "
+                         "row needs a reward that judges it (--unjudged-rows stop)")
 
 
 def check_some_row_judged(unjudged: torch.Tensor, names: list[str], update: int) -> None:
-    """Stop the run at an update where no reward judged any row on any process (each returned None for each): it
-    would train on nothing, and save the SFT model as the trained one."""
+    """Stop the run at an update where no reward judged any row on any process (each returned None
+    for each): it would train on nothing, and save the SFT model as the trained one."""
     from accelerate.utils import reduce
 
     counts = reduce(torch.stack([unjudged.sum(), torch.ones_like(unjudged).sum()]).float(), "sum")
     if counts[0] == counts[1]:
-        raise ValueError(f"update {update}: no reward judged any of its {int(counts[1])} rows ({', '.join(names)} "
-                         "returned None for each), so it would train on nothing: make the function(s) return a "
-                         "number for the rows they can judge (None only for the others); no model is saved, the "
-                         "checkpoints written so far are kept")
+        raise ValueError(f"update {update}: no reward judged any of its {int(counts[1])} rows "
+                         f"({', '.join(names)} returned None for each), so it would train on "
+                         "nothing: make the function(s) return a number for the rows they can "
+                         "judge (None only for the others); no model is saved, the checkpoints "
+                         "written so far are kept")
 
 
 def check_reward_fns(rewards, rows: dict, queries: torch.Tensor, stop_unjudged: bool = False) -> None:
-    """Call each local reward function once per run (on the main process; the others raise its error), on `rows`
-    with their rendered prompts standing in for completions, so a broken one fails before any model loads; a served
-    reward is not called (a paid judge would bill a fake row)."""
+    """Call each local reward function once per run (on the main process; the others raise its
+    error), on `rows` with their rendered prompts standing in for completions, so a broken one fails
+    before any model loads; a served reward is not called (a paid judge would bill a fake row)."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 

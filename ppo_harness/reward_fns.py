@@ -1,7 +1,7 @@
-"""Reward functions loaded as TRL 1.12's GRPOTrainer takes them, so that `trl.rewards` and open-r1's run as they are:
-a built-in name, `module:function`, `file.py:function` or a served reward's URL (`reward_server`); a function in
-OpenRLHF's or verl's convention wrapped to be called as TRL calls one (`reward_stacks`). How they are called is
-`reward_calls`, what they log `reward_logs`."""
+"""Reward functions loaded as TRL 1.12's GRPOTrainer takes them, so that `trl.rewards` and open-r1's
+run as they are: a built-in name, `module:function`, `file.py:function` or a served reward's URL
+(`reward_server`); a function in OpenRLHF's or verl's convention wrapped to be called as TRL calls
+one (`reward_stacks`). How they are called is `reward_calls`, what they log `reward_logs`."""
 import importlib
 import importlib.util
 import inspect
@@ -13,8 +13,8 @@ from ppo_harness.reward_stacks import OpenRLHFReward, VerlComputeScore
 
 
 def reward_names(model_paths, fn_specs) -> list[str]:
-    """Names of the reward components: a reward model's folder (or hub name), a function's name, `remote` for a URL;
-    repeats get _2, _3."""
+    """Names of the reward components: a reward model's folder (or hub name), a function's name,
+    `remote` for a URL; repeats get _2, _3."""
     names, seen = [], {}
     for base in [Path(p.rstrip("/")).name for p in model_paths] + [
             "remote" if "://" in s else s.rpartition(":")[2] for s in fn_specs]:
@@ -25,10 +25,11 @@ def reward_names(model_paths, fn_specs) -> list[str]:
 
 def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, url_protocol: str = "keywords",
                    label_key: str | None = None, rows_per_request: int = 1) -> Callable:
-    """A built-in name (`vader`), `module:function` (importable), `path/to/file.py:function`, or a served reward's
-    URL (`url_protocol` "keywords": ours; "openrlhf": OpenRLHF's remote reward model, `rows_per_request` rows a
-    request). A function in OpenRLHF's convention (`reward_func(queries, prompts, labels)`) or verl's
-    (`compute_score(data_source, solution_str, ground_truth, extra_info)`) is wrapped to be called as TRL calls one."""
+    """A built-in name (`vader`), `module:function` (importable), `path/to/file.py:function`, or a
+    served reward's URL (`url_protocol` "keywords": ours; "openrlhf": OpenRLHF's remote reward
+    model, `rows_per_request` rows a request). A function in OpenRLHF's convention
+    (`reward_func(queries, prompts, labels)`) or verl's (`compute_score(data_source, solution_str,
+    ground_truth, extra_info)`) is wrapped to be called as TRL calls one."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
     if spec.startswith(("http://", "https://")):
@@ -36,7 +37,8 @@ def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, u
         return OpenRLHFReward(served.openrlhf, label_key, spec) if url_protocol == "openrlhf" else served
     module_name, sep, fn_name = spec.rpartition(":")
     if not sep or not module_name or not fn_name:
-        raise ValueError(f"--reward-fn {spec!r}: expected `module:function`, `path/to/file.py:function` or a URL")
+        raise ValueError(f"--reward-fn {spec!r}: expected `module:function`, "
+                         "`path/to/file.py:function` or a URL")
     try:
         if module_name.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -49,7 +51,8 @@ def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, u
     except (ImportError, FileNotFoundError) as e:
         raise ValueError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({e})") from e
     except Exception as e:  # a SyntaxError, NameError... while the file runs
-        raise ValueError(f"--reward-fn {spec!r}: loading {module_name!r} raised {type(e).__name__}: {e}") from e
+        raise ValueError(f"--reward-fn {spec!r}: loading {module_name!r} raised "
+                         f"{type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn {spec!r}: {module_name!r} has no callable {fn_name!r}")
@@ -67,8 +70,9 @@ def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, u
 _vader = None
 
 def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
-    """VADER compound sentiment, in [-1, 1], of what the policy wrote: a chat completion less the assistant prefix its
-    prompt gave (the default run scores the continuation only). A rule, no model (Hutto & Gilbert 2014)."""
+    """VADER compound sentiment, in [-1, 1], of what the policy wrote: a chat completion less the
+    assistant prefix its prompt gave (the default run scores the continuation only). A rule, no
+    model (Hutto & Gilbert 2014)."""
     global _vader
     if _vader is None:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
@@ -79,7 +83,8 @@ def vader_sentiment(prompts: list, completions: list, **kwargs) -> list[float]:
     return [_vader.polarity_scores(t)["compound"] for t in texts]
 
 
-BUILTIN_REWARD_FNS = {"vader": vader_sentiment}  # built when the file loads: define a new one above it
+# built when the file loads: define a new one above it
+BUILTIN_REWARD_FNS = {"vader": vader_sentiment}
 
 
 def assistant_prefix(prompt) -> str:
@@ -88,7 +93,8 @@ def assistant_prefix(prompt) -> str:
 
 
 def prompt_text(prompt) -> str:
-    """A prompt as the dataset gave it, for people: the text, or a chat prompt from its last user message on."""
+    """A prompt as the dataset gave it, for people: the text, or a chat prompt from its last user
+    message on."""
     if isinstance(prompt, str):
         return prompt
     users = [i for i, m in enumerate(prompt) if m.get("role") == "user"]

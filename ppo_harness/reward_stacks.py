@@ -1,6 +1,6 @@
-"""The other stacks' reward conventions, called as TRL calls a function: OpenRLHF's `reward_func(queries, prompts,
-labels)` (a .py file, or its remote reward protocol through `reward_server`) and verl's `compute_score(data_source,
-solution_str, ground_truth, extra_info)`."""
+"""The other stacks' reward conventions, called as TRL calls a function: OpenRLHF's
+`reward_func(queries, prompts, labels)` (a .py file, or its remote reward protocol through
+`reward_server`) and verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`."""
 import asyncio
 import inspect
 import numbers
@@ -11,12 +11,13 @@ import torch
 
 
 class OpenRLHFReward:
-    """OpenRLHF's convention, called as TRL calls a function: `reward_func(queries, prompts, labels)` from a .py file
-    (OpenRLHF's --remote_rm_url file) or a server posted {"query", "prompts", "labels"}, given what OpenRLHF gives it
-    (`openrlhf_texts`): `queries` each prompt with its response, `prompts` the prompts as OpenRLHF renders them,
-    `labels` the rows' `label_key` column (None: the `label` column, else "" as OpenRLHF without --label_key). The
-    reply: scores, or a dict of `rewards` (else `scores`) and `extra_logs` (each logged as a metric, its mean over the
-    rows)."""
+    """OpenRLHF's convention, called as TRL calls a function: `reward_func(queries, prompts,
+    labels)` from a .py file (OpenRLHF's --remote_rm_url file) or a server posted {"query",
+    "prompts", "labels"}, given what OpenRLHF gives it (`openrlhf_texts`): `queries` each prompt
+    with its response, `prompts` the prompts as OpenRLHF renders them, `labels` the rows'
+    `label_key` column (None: the `label` column, else "" as OpenRLHF without --label_key). The
+    reply: scores, or a dict of `rewards` (else `scores`) and `extra_logs` (each logged as a metric,
+    its mean over the rows)."""
     rendered = True  # `function_scores` passes it OpenRLHF's texts
 
     def __init__(self, fn: Callable, label_key: str | None, spec: str):
@@ -36,30 +37,34 @@ class OpenRLHFReward:
 
 
 def openrlhf_texts(tokenizer, prompts: list, prompt_ids: list, chat: bool, responses: torch.Tensor) -> dict:
-    """OpenRLHF's `prompts` and `queries` (its PromptDataset and experience maker): a text prompt as it is, a chat
-    prompt as its template renders it (the template's special tokens kept); the prompt tokenised without the
-    tokenizer's own special tokens (a BOS: OpenRLHF passes add_special_tokens=False), then with the response decoded
-    with special tokens kept, padding removed."""
+    """OpenRLHF's `prompts` and `queries` (its PromptDataset and experience maker): a text prompt as
+    it is, a chat prompt as its template renders it (the template's special tokens kept); the prompt
+    tokenised without the tokenizer's own special tokens (a BOS: OpenRLHF passes
+    add_special_tokens=False), then with the response decoded with special tokens kept, padding
+    removed."""
     ids = [list(i) for i in prompt_ids] if chat else tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     return dict(rendered_prompts=[tokenizer.decode(i) for i in ids] if chat else list(prompts), queries=[
         tokenizer.decode(i + r[r != tokenizer.pad_token_id].tolist()) for i, r in zip(ids, responses)])
 
 
 def check_label_key(label_key: str | None, columns: list[str], source: str) -> None:
-    """Refuse a --label-key that names no column (every label would be None: a judge grading against nothing)."""
+    """Refuse a --label-key that names no column (every label would be None: a judge grading against
+    nothing)."""
     if label_key is not None and label_key not in columns:
-        raise ValueError(f"--label-key {label_key!r} is not a column of {source} (columns: {columns}): name the "
-                         "column OpenRLHF's rewards get as `labels`, or leave the flag out (then the `label` column, "
-                         "or \"\" for every row where there is none, as OpenRLHF without --label_key)")
+        raise ValueError(f"--label-key {label_key!r} is not a column of {source} (columns: "
+                         f"{columns}): name the column OpenRLHF's rewards get as `labels`, or "
+                         "leave the flag out (then the `label` column, or \"\" for every row "
+                         "where there is none, as OpenRLHF without --label_key)")
 
 
 class VerlComputeScore:
-    """verl's convention, called as TRL calls a function: `compute_score(data_source, solution_str, ground_truth,
-    extra_info)` once per row, as verl's reward manager calls it, with the row's `data_source`, the response's text,
-    `reward_model["ground_truth"]` and `extra_info` (each only if the function takes it): the row's dict ({} if none)
-    with the keys verl adds, `num_turns` (2: verl's single-turn agent loop's prompt and response) and
-    `rollout_reward_scores` ({}: no rollout scored a row). An `async def` one is awaited, the rows together, as verl's
-    reward loop awaits it. A dict's `score` is the reward, its other keys are logged (`log_extra` columns, and their
+    """verl's convention, called as TRL calls a function: `compute_score(data_source, solution_str,
+    ground_truth, extra_info)` once per row, as verl's reward manager calls it, with the row's
+    `data_source`, the response's text, `reward_model["ground_truth"]` and `extra_info` (each only
+    if the function takes it): the row's dict ({} if none) with the keys verl adds, `num_turns` (2:
+    verl's single-turn agent loop's prompt and response) and `rollout_reward_scores` ({}: no rollout
+    scored a row). An `async def` one is awaited, the rows together, as verl's reward loop awaits
+    it. A dict's `score` is the reward, its other keys are logged (`log_extra` columns, and their
     means as metrics)."""
 
     def __init__(self, fn: Callable, spec: str):

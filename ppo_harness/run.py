@@ -1,8 +1,9 @@
-"""The plumbing around `main`'s loop, the same for both scripts (their TRY NOT TO MODIFY blocks): `start_run` resumes a
-checkpoint's weights, optimizer and random states, opens the logs, installs the SIGTERM handler and prints the banner;
-`Run.log_update` writes an update's metrics; `Run.checkpoint` saves the models and a checkpoint when due;
-`Run.finish` closes the run. The algorithm's state kept across updates is the script's: it passes it to
-`Run.checkpoint` and reads it back from `Run.saved`."""
+"""The plumbing around `main`'s loop, the same for both scripts (their TRY NOT TO MODIFY blocks):
+`start_run` resumes a checkpoint's weights, optimizer and random states, opens the logs, installs
+the SIGTERM handler and prints the banner; `Run.log_update` writes an update's metrics;
+`Run.checkpoint` saves the models and a checkpoint when due; `Run.finish` closes the run. The
+algorithm's state kept across updates is the script's: it passes it to `Run.checkpoint` and reads it
+back from `Run.saved`."""
 import time
 from dataclasses import dataclass
 
@@ -23,27 +24,31 @@ class Run:
     args: object
     folder: RunFolder
     log: RunLog
-    preemption: Preemption  # SIGTERM, SIGINT: the update in progress finishes, is checkpointed, and the run stops
+    # SIGTERM, SIGINT: the update in progress finishes, is checkpointed, and the run stops
+    preemption: Preemption
     compile_watch: CompileWatch
     console: Console
     start_update: int  # 1, or the update after the resumed checkpoint's
-    saved: dict | None  # the resumed checkpoint's state, as the script passed it to `checkpoint` (None: a new run)
-    run_state: dict  # what every checkpoint records and a resume must match (the batch arithmetic, the data's size)
+    # the resumed checkpoint's state, as the script passed it to `checkpoint` (None: a new run)
+    saved: dict | None
+    # what every checkpoint records and a resume must match (the batch arithmetic, the data's size)
+    run_state: dict
     base_model_path: str  # the SFT model, whose tokenizer and config the saved policy carries
     batch_size: int
     start_time: float = 0.0
 
     def log_update(self, update: int, metrics: dict, samples: list[dict] = (), training_seconds: float = 0.0):
-        """An update's metrics (with `eps`, episodes per second since the loop began) and a few of its rollout's
-        rows; what torch.compile compiled during it, on the console."""
+        """An update's metrics (with `eps`, episodes per second since the loop began) and a few of
+        its rollout's rows; what torch.compile compiled during it, on the console."""
         eps = (update - self.start_update + 1) * self.batch_size / (time.time() - self.start_time)
         self.log.log(update, {**metrics, "eps": round(eps, 3)}, samples)
         self.compile_watch.report(update, training_seconds, self.console if self.accelerator.is_main_process
                                   else None)
 
     def checkpoint(self, model, update: int, episode: int, last: bool, lr: float, state: dict) -> bool:
-        """Phase 8: the models at the end (not with --no-save-at-end), a checkpoint every --save-every updates, at the
-        end and on SIGTERM or SIGINT, carrying `state`; whether the run must stop now (a signal came)."""
+        """Phase 8: the models at the end (not with --no-save-at-end), a checkpoint every
+        --save-every updates, at the end and on SIGTERM or SIGINT, carrying `state`; whether the run
+        must stop now (a signal came)."""
         stopping = self.preemption.requested(self.accelerator)
         at_end = last and self.args.save_at_end
         if at_end:
@@ -55,8 +60,8 @@ class Run:
         return stopping
 
     def finish(self, update: int, last: bool, stopping: bool) -> None:
-        """The logs closed; every process leaves together (one that exits while gloo or NCCL threads run can abort);
-        a run stopped by a signal exits with code 143, naming its checkpoint."""
+        """The logs closed; every process leaves together (one that exits while gloo or NCCL threads
+        run can abort); a run stopped by a signal exits with code 143, naming its checkpoint."""
         self.log.close()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
@@ -65,10 +70,11 @@ class Run:
 
 
 def start_run(accelerator, args, setup, optimizer, models: dict, notes: list[str], base_model_path: str) -> Run:
-    """A resumed checkpoint's weights, optimizer and every rank's random states, as they were after its update (the
-    flags' lr, betas... kept: a changed one is used); the logs (a resume drops the rows of the updates it redoes); the
-    SIGTERM handler; the banner (the batch arithmetic, `notes`, each model in `models` and its memory). Call it after
-    seeding: a resume restores the random states the seeds set."""
+    """A resumed checkpoint's weights, optimizer and every rank's random states, as they were after
+    its update (the flags' lr, betas... kept: a changed one is used); the logs (a resume drops the
+    rows of the updates it redoes); the SIGTERM handler; the banner (the batch arithmetic, `notes`,
+    each model in `models` and its memory). Call it after seeding: a resume restores the random
+    states the seeds set."""
     folder, console, start_update = setup.folder, Console(), 1
     if folder.checkpoint is not None:
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

@@ -1,6 +1,6 @@
-"""What a run reports: the banner at its start (the batch arithmetic and each model's memory), then per update a line
-in metrics.jsonl, TensorBoard's points (CleanRL's logging; wandb syncs them with --track), a console line and the
-progress bar, all on the main process."""
+"""What a run reports: the banner at its start (the batch arithmetic and each model's memory), then
+per update a line in metrics.jsonl, TensorBoard's points (CleanRL's logging; wandb syncs them with
+--track), a console line and the progress bar, all on the main process."""
 import json
 import time
 from dataclasses import asdict
@@ -14,13 +14,14 @@ from torch.utils.tensorboard import SummaryWriter
 from ppo_harness.log_files import LOGS, keep_rows_before
 from ppo_harness.run_folder import RunFolder, write_args
 
+# those a run logs, on its console line
 CONSOLE_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg", "val/ratio",
-                   "eval/scores", "eval/kl", "objective/validation_score")  # those a run logs, on its console line
+                   "eval/scores", "eval/kl", "objective/validation_score")
 
 
 def print_rows(console, rows: list[dict], title: str, omit: tuple = (), cut: dict[str, int] | None = None) -> None:
-    """Rows as a console table, a column for every key but `omit`'s (one a script adds is shown too): a float to 4
-    decimals, a text longer than `cut[column]` characters cut short."""
+    """Rows as a console table, a column for every key but `omit`'s (one a script adds is shown
+    too): a float to 4 decimals, a text longer than `cut[column]` characters cut short."""
     columns, cut = [k for k in rows[0] if k not in omit], cut or {}
     table = Table(*columns, title=title, show_lines=True)
     for row in rows:
@@ -30,23 +31,26 @@ def print_rows(console, rows: list[dict], title: str, omit: tuple = (), cut: dic
 
 
 class RunLog:
-    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line (main process).
-    Opening it writes args.json and drops the logs' rows of the updates a resumed run redoes."""
+    """metrics.jsonl, TensorBoard (CleanRL), wandb with --track, a progress bar and a console line
+    (main process). Opening it writes args.json and drops the logs' rows of the updates a resumed
+    run redoes."""
 
     def __init__(self, args, accelerator, folder: RunFolder, num_updates: int, start_update: int, console):
-        # start-up: from the process's start to here (imports, set-up, models, checks, the sampler's compilation),
-        # logged as time/startup with the first update
+        # start-up: from the process's start to here (imports, set-up, models, checks, the sampler's
+        # compilation), logged as time/startup with the first update
         self.startup = time.time() - psutil.Process().create_time()
         self.main_process, self.track, self.num_updates = accelerator.is_main_process, args.track, num_updates
         self.folder, self.console = folder.path, console
         self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                                  disable=not self.main_process)
-        self.task = self.progress.add_task("PPO updates", total=num_updates, completed=start_update - 1)
+        self.task = self.progress.add_task("PPO "
+                                           "updates", total=num_updates, completed=start_update - 1)
         if not self.main_process:
             return
         write_args(folder.path, args, folder.run_name, folder.changes, start_update)
-        first = start_update if start_update > 1 else 0  # a run started over logs its update 0 again
+        # a run started over logs its update 0 again
+        first = start_update if start_update > 1 else 0
         for log in LOGS:
             keep_rows_before(folder.path / log, first)
         self.metrics_file = open(folder.path / "metrics.jsonl", "a")
@@ -61,7 +65,8 @@ class RunLog:
             f"|{k}|{v}|" for k, v in asdict(args).items()))
 
     def log(self, update: int, metrics: dict, samples: list[dict] = ()) -> None:
-        """An update's metrics, and `samples` (a few of its rollout's rows) into training_samples.jsonl."""
+        """An update's metrics, and `samples` (a few of its rollout's rows) into
+        training_samples.jsonl."""
         if update > 0 and self.startup is not None:
             metrics, self.startup = {**metrics, "time/startup": self.startup}, None
         if not self.main_process:
@@ -77,8 +82,8 @@ class RunLog:
             f"{k.replace('eval/', 'eval_').split('/')[-1]}={metrics[k]:.4g}" for k in CONSOLE_METRICS if k in metrics))
 
     def samples(self, update: int, rows: list[dict], title: str, shown: int = 5) -> None:
-        """Held-out samples: every row to samples.jsonl (and wandb with --track), the first `shown` on the console
-        without their rendered "query" (their "prompt" is the dataset's)."""
+        """Held-out samples: every row to samples.jsonl (and wandb with --track), the first `shown`
+        on the console without their rendered "query" (their "prompt" is the dataset's)."""
         if not self.main_process or not rows:
             return
         print_rows(self.console, rows[:shown], title, omit=("query",))
@@ -105,16 +110,16 @@ class RunLog:
 
 
 def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: int, notes: list[str]) -> None:
-    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process (weights, and
-    gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
+    """The batch arithmetic, `notes`, and per model an estimate of its memory on each process
+    (weights, and gradients + AdamW moments when trained; ZeRO-2 shards the latter, ZeRO-3 all)."""
     steps = args.num_ppo_epochs * args.num_mini_batches
-    console.print(f"[bold]{run_name}[/bold]\n"
-                  f"  processes {sizes.world_size}; per update {sizes.batch_size} responses ({sizes.local_batch_size} "
-                  f"per process); minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) = "
-                  f"{args.gradient_accumulation_steps} accumulated micro-batch(es) of "
-                  f"{args.per_device_train_batch_size}"
-                  f"\n  {steps} optimizer steps per update ({args.num_ppo_epochs} epochs x {args.num_mini_batches} "
-                  f"minibatches); {sizes.num_updates} updates for {args.total_episodes} episodes")
+    console.print(f"[bold]{run_name}[/bold]\n  processes {sizes.world_size}; per update "
+                  f"{sizes.batch_size} responses ({sizes.local_batch_size} per process); "
+                  f"minibatch {sizes.mini_batch_size} ({sizes.local_mini_batch_size} per process) "
+                  f"= {args.gradient_accumulation_steps} accumulated micro-batch(es) of "
+                  f"{args.per_device_train_batch_size}\n  {steps} optimizer steps per update "
+                  f"({args.num_ppo_epochs} epochs x {args.num_mini_batches} minibatches); "
+                  f"{sizes.num_updates} updates for {args.total_episodes} episodes")
     for note in notes:
         console.print(f"  {note}", highlight=False, markup=False)
     table = Table("model", "dtype", "parameters", "trainable", "memory estimate per process")
@@ -123,7 +128,8 @@ def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: 
             continue
         params = [(getattr(p, "ds_numel", p.numel()), p.element_size(), p.requires_grad) for p in model.parameters()]
         weights = sum(n * size for n, size, _ in params) / (sizes.world_size if zero_stage == 3 else 1)
-        training = sum(n * (size + 8) for n, size, trains in params if trains)  # gradient + fp32 Adam moments
+        # gradient + fp32 Adam moments
+        training = sum(n * (size + 8) for n, size, trains in params if trains)
         training /= sizes.world_size if zero_stage >= 2 else 1
         table.add_row(name, str(next(model.parameters()).dtype).removeprefix("torch."),
                       f"{sum(n for n, _, _ in params) / 1e6:.1f}M",
@@ -133,12 +139,14 @@ def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: 
 
 
 class FiniteLosses:
-    """Whether every micro-batch's loss was finite, noted on the device and read once per update, after the PPO
-    epochs: a read per step would make the host wait for the GPU at every step. The first non-finite one is named,
-    and every process stops together (the update's weights are not saved: the last good checkpoint stays)."""
+    """Whether every micro-batch's loss was finite, noted on the device and read once per update,
+    after the PPO epochs: a read per step would make the host wait for the GPU at every step. The
+    first non-finite one is named, and every process stops together (the update's weights are not
+    saved: the last good checkpoint stays)."""
 
     def __init__(self, device):
-        self.first = torch.zeros((), dtype=torch.long, device=device)  # 1 + the first bad micro-batch's index, or 0
+        # 1 + the first bad micro-batch's index, or 0
+        self.first = torch.zeros((), dtype=torch.long, device=device)
         self.where = []
 
     def note(self, loss, where: str) -> None:
@@ -148,5 +156,6 @@ class FiniteLosses:
     def check(self, accelerator, update: int, checkpoints) -> None:
         first = [f for f in accelerator.gather(self.first[None]).tolist() if f > 0]
         if first:
-            raise FloatingPointError(f"update {update} ({self.where[min(first) - 1]}): non-finite loss on some rank; "
-                                     f"the last good checkpoint is kept in {checkpoints}")
+            raise FloatingPointError(f"update {update} ({self.where[min(first) - 1]}): non-finite "
+                                     "loss on some rank; the last good checkpoint is "
+                                     f"kept in {checkpoints}")

@@ -1,5 +1,6 @@
-"""The models a run saves at its end, for plain transformers: the policy (or its adapters, and merged), the value head
-or value model, the base model's tokenizer; and a saved value head loaded back."""
+"""The models a run saves at its end, for plain transformers: the policy (or its adapters, and
+merged), the value head or value model, the base model's tokenizer; and a saved value head loaded
+back."""
 from pathlib import Path
 
 import torch.nn as nn
@@ -10,10 +11,11 @@ VALUE_HEAD_FILE = "value_head.safetensors"  # a value head's weight and bias (se
 
 
 def save_models(accelerator, model: nn.Module, args, base_model_path: str, output_dir: Path, console) -> None:
-    """The policy (a peft policy: its adapters) and the value (`value_head.safetensors`, or the value model's folder),
-    for plain transformers, with the base model's tokenizer as given (a [PAD] the script added is a training-time
-    device, outside the model's vocabulary). ppo.py's --merge-adapter: the trained adapter also merged onto a fresh
-    --dtype copy of the base, in merged/ (under ZeRO-3 the live policy holds only this process's shards)."""
+    """The policy (a peft policy: its adapters) and the value (`value_head.safetensors`, or the
+    value model's folder), for plain transformers, with the base model's tokenizer as given (a [PAD]
+    the script added is a training-time device, outside the model's vocabulary). ppo.py's
+    --merge-adapter: the trained adapter also merged onto a fresh --dtype copy of the base, in
+    merged/ (under ZeRO-3 the live policy holds only this process's shards)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,7 +30,8 @@ def save_models(accelerator, model: nn.Module, args, base_model_path: str, outpu
         tokenizer.save_pretrained(output_dir)
         unwrapped.policy.save_pretrained(output_dir, state_dict=sub_state(state_dict, "policy"))
         if getattr(args, "merge_adapter", False):
-            from ppo_harness.models import outside_zero_init  # here: the run folder's users need no peft
+            # here: the run folder's users need no peft
+            from ppo_harness.models import outside_zero_init
 
             with outside_zero_init(accelerator.state.deepspeed_plugin):
                 base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=args.dtype, **remote)
@@ -49,12 +52,14 @@ def save_models(accelerator, model: nn.Module, args, base_model_path: str, outpu
 
 
 def sub_state(state_dict: dict, name: str) -> dict:
-    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state dict."""
+    """The entries of one submodule (`policy`, `value_model`, `value_head`) of the wrapper's state
+    dict."""
     return {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")}
 
 
 def load_value_head(path: str | Path) -> nn.Linear:
-    """The head a --shared-value-head run saved: values = head(final hidden state of the saved policy)."""
+    """The head a --shared-value-head run saved: values = head(final hidden state of the saved
+    policy)."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))

@@ -1,5 +1,5 @@
-"""Files written whole: each through a temporary name beside it and a rename, so a run killed at any moment leaves the
-old file or the new one; a write that fails on a full disk says so, and where."""
+"""Files written whole: each through a temporary name beside it and a rename, so a run killed at any
+moment leaves the old file or the new one; a write that fails on a full disk says so, and where."""
 import errno
 import os
 import shutil
