@@ -1,18 +1,18 @@
-# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to
-# bottom: `Args`, the PPO math, `main` phase by phase, then what it calls in call order. "ALGO
-# LOGIC" marks where an experiment's change goes; what none edits (run folder, reward-function
-# protocol, file checks, speed layer) is in ppo_harness/. Docs: README.md. Flag and metric names are
-# TRL PPOTrainer's; "N+ detail k": Huang et al. (2024), arXiv 2403.17031.
+# PPO for language models (RLHF), CleanRL style: the whole algorithm in one file, read top to bottom: `Args`,
+# the PPO math, `main` phase by phase, then what it calls in call order. "ALGO LOGIC" marks where an
+# experiment's change goes; what none edits (run folder, reward protocols, file checks, the README ledger's
+# hand-written speed paths) is in ppo_harness/. Docs: README.md. Flag and metric names are TRL PPOTrainer's;
+# "N+ detail k": Huang et al. (2024), arXiv 2403.17031.
 from __future__ import annotations
 
 import math
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Callable, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -26,24 +26,24 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start
-from ppo_harness.models import (check_scalar_model, gathered_for_init, model_files, outside_zero_init,
-                                policy_for_generation, shard_frozen, transformer_blocks, unpeft)
+from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start, summed_over_processes
+from ppo_harness.models import (check_scalar_model, gathered_for_init, lora_config, model_files, outside_zero_init,
+                                policy_for_generation, reference_adapter, shard_frozen, transformer_blocks,
+                                unpeft)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
-                                      load_prompt_dataset, repeated_prompts)
-from ppo_harness.reward_calls import (check_every_row_judged, check_reward_fns, check_some_row_judged,
-                                      function_scores, unjudged_rows)
-from ppo_harness.reward_fns import load_reward_fn, reward_names
-from ppo_harness.reward_logs import (RewardComponents, RewardLogs, held_out_metrics, reward_means,
-                                     sample_rows)
+                                      load_prompt_dataset, repeated_prompts, tokenize_prompts)
+from ppo_harness.reward_calls import reward_components
+from ppo_harness.reward_fns import reward_names
+from ppo_harness.reward_logs import held_out_metrics, reward_means, sample_rows
+from ppo_harness.reward_models import reward_model_texts, text_reward_scores
 from ppo_harness.reward_stacks import check_label_key
+from ppo_harness.rewards import Rewards, load_rewards, reward_notes
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
 from ppo_harness.run_log import FiniteLosses, RunLog
-from ppo_harness.speed import (CompiledOrEager, HostFlag, Shortcuts, blocks_only, check_forwards,
-                               check_sampling, frozen_trunk, head_logprobs, keep_states, kept_states,
-                               on_device, prefill_shared_prefix, ready_to_compile, should_compile)
+from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
+from ppo_harness.trunk import blocks_only, check_kept_trunk, check_trunks, frozen_trunk, keep_trunk
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 INVALID_LOGPROB = 1.0
@@ -284,8 +284,8 @@ class Args:
     """ZeRO-3: gather the policy's weights once per rollout to sample fast (off: sample from the
     shards, slowly)"""
     fast_paths: bool = True
-    """the frozen trunk run once and ppo_harness/speed.py's shortcuts, each where its start-up
-    check passes (off: the plain forwards alone)"""
+    """the hand-written paths of the README's ledger, each where its start-up check passes: the frozen trunk run
+    once per update, and on CUDA the static sampler (off: full forwards and the dynamic cache alone)"""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA for runs long
     enough to pay it back (README "Speed"), off on the CPU (slower there)"""
@@ -373,6 +373,11 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
     """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
     width = max(t.size(1) for t in tensors)
     return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
+
+
+def pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """(rows, length) right-padded with `value` to `width` columns."""
+    return F.pad(tensor, (0, width - tensor.size(1)), value=value)
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
@@ -642,69 +647,55 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 
 # ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -----------------
 def main(args: Args) -> None:
-    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models; their shortcuts
+    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
+    model, optimizer = models.model, models.optimizer
+    # speed, CUDA only: sampling's decode steps replay CUDA graphs where its probe passes (README: the ledger)
+    models.sampler = static_sampler(sys.modules[__name__], args, accelerator, setup, models) or model
     sizes, device = setup.sizes, accelerator.device
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
-    # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
-    training_loss = ppo_loss
-    if setup.compiled:  # --compile auto: where the compiler fails, `ppo_loss` runs as it is (said once)
-        compiled = torch.compile(ppo_loss, fullgraph=True, dynamic=False)
-        training_loss = CompiledOrEager(compiled, ppo_loss, strict=args.compile == "on")
+    # speed: the training step is the page's own `ppo_loss`, compiled whole by --compile (backward
+    # too); under --compile auto a step the compiler fails on runs as it is (said once)
+    training_loss = ppo_loss if not setup.compiled else CompiledOrEager(
+        torch.compile(ppo_loss, fullgraph=True, dynamic=False), ppo_loss, strict=args.compile == "on")
     # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
     local_seed = args.seed + accelerator.process_index * 100003
     random.seed(local_seed)
     np.random.seed(local_seed)  # minibatch permutations: TRL never seeded numpy, so runs differed
     torch.manual_seed(local_seed)
     # TRY NOT TO MODIFY: a resume's weights, optimizer and random states; the logs; banner; SIGTERM
-    notes = banner_notes(setup) + list(shortcuts.notes)
-    run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards), notes,
-                    setup.sft_model_path)
+    notes = [*reward_notes(setup.rewards, setup.stop_token_id), setup.value_init, *setup.notes, *models.notes]
+    run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards), notes, setup.sft_model_path)
     # ALGO LOGIC: state kept across updates: restored here from a resumed checkpoint (saved in 8.)
     kl_coef = args.kl_coef if run.saved is None else run.saved["kl_coef"]
     score_moments = RunningMoments(**(run.saved or {}).get("score_moments", {}))
-    eval_queries = None
-    if args.eval_samples > 0:
-        eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
-        if run.start_update == 1:  # the initial policy's held-out score, logged as update 0
-            held_out = evaluate(accelerator, models, args, setup, eval_queries, 0, run.log)
-            run.log.log(0, {"episode": 0, **held_out})
+    eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device) if args.eval_samples else None
+    if eval_queries is not None and run.start_update == 1:  # the initial policy's held-out score, as update 0
+        run.log.log(0, {"episode": 0, **evaluate(accelerator, models, args, setup, eval_queries, 0, run.log)})
     for update in range(run.start_update, sizes.num_updates + 1):
         episode = update * sizes.batch_size
         last = update == sizes.num_updates  # an early end sets `last` in phase 7
         # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`
-        anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
-        # ALGO LOGIC: VC-PPO's value pretraining (verl's critic_warmup): the policy waits
-        train_policy = update > args.value_warmup_updates
-        if args.value_warmup_updates and update == args.value_warmup_updates + 1:
-            for p in optimizer.param_groups[0]["params"]:  # afresh: the warm-up stepped it on zeros
-                optimizer.state.pop(p, None)
-        for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
-            trains = train_policy or group["name"] != "policy"
-            group["lr"] = anneal * group["initial_lr"] if trains else 0.0
-        lr = optimizer.param_groups[0]["lr"]  # the policy's
+        lr, train_policy = set_learning_rates(optimizer, update, sizes.num_updates, args.value_warmup_updates)
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed,
                                   accelerator.process_index, args.num_generations)
         batch_rows = setup.train_dataset[indices.tolist()]
         # compiled, every update is as wide as the widest prompt (`Setup.query_width`): one compile
         queries = left_pad(batch_rows["input_ids"], pad_token_id, setup.query_width).to(device)
-        context_length = queries.size(1)
         model.eval()  # dropout is off already; eval() only spares generation train-mode code paths
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
-            # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after the stop token
-            responses, logprobs, kept = sample_responses(accelerator, model, queries, args,
-                                                         setup.zero3, pad_token_id, stop_token_id,
-                                                         shortcuts)
+            # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after the stop token.
+            # speed: the trunk states sampling computes anyway are kept, for phase 2 (README: the ledger)
+            with keep_trunk(models.policy, models.keep_trunk) as kept:
+                responses, logprobs = sample_responses(accelerator, models.sampler, queries, args,
+                                                       setup.zero3, pad_token_id, stop_token_id)
             # a column past the longest response: every score one past its eos (N+ detail 25, SFD;
             # TRL's width put the longest's on it); compiled, --response-length wide: one compilation
             width = args.response_length if setup.compiled else min(responses.size(1) + 1, args.response_length)
-            extra = width - responses.size(1)
-            responses = F.pad(responses, (0, extra), value=pad_token_id)
-            logprobs = F.pad(logprobs, (0, extra), value=INVALID_LOGPROB)
-            kept = {name: F.pad(states, (0, 0, 0, extra)) for name, states in kept.items()}
+            responses = pad_columns(responses, width, pad_token_id)
+            logprobs = pad_columns(logprobs, width, INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             # the index of each response's last real token (-1: an empty response)
@@ -714,20 +705,17 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
             # frozen bottom blocks' output (--num-trainable-layers) feeds every later forward
-            trunks = frozen_trunks(models, query_responses, pad_token_id, kept, shortcuts, args)
+            trunks = frozen_trunks(models, query_responses, pad_token_id, args,
+                                   trunk=kept.trunk(query_responses.size(1)))
             ref_logprobs, values, full_kl_per_token = reference_and_values(
-                models, query_responses, response_ids, context_length, args, pad_token_id,
-                shortcuts, trunks, kept, with_values=args.advantage_estimator == "gae")
-            if values is None:  # critic-free: no value forward
-                values = torch.zeros_like(ref_logprobs)
+                models, query_responses, response_ids, queries.size(1), args, pad_token_id, trunks,
+                with_values=args.advantage_estimator == "gae")
 
             # 3. Scores: every reward, the missing-EOS penalty (N+ detail 22, TRL's form)
             scores, score_components = score_responses(setup.rewards, queries, responses,
                                                        batch_rows, update - 1)
             time_scoring = time.perf_counter() - timer - time_generation
-            contain_eos_token = None
-            if setup.eos_check_id is not None:
-                contain_eos_token = (responses == setup.eos_check_id).any(-1)
+            contain_eos_token = None if setup.eos_check_id is None else (responses == setup.eos_check_id).any(-1)
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
 
@@ -739,18 +727,14 @@ def main(args: Args) -> None:
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
-                          args.kl_estimator)
+            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
             # scaled here (score scaling, --score-clip): a later change to `scores` is only logged
             trained_scores = scale_scores(scores, score_moments, args, accelerator)
-            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef,
-                                                        sequence_lengths)
+            rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
             # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward)
 
             # 5. GAE; returns before the whitening, advantages 0 at padding
-            gae_rewards = rewards
-            if args.whiten_rewards:
-                gae_rewards = whiten_rewards(rewards, padding_mask_p1)
+            gae_rewards = whiten_rewards(rewards, padding_mask_p1) if args.whiten_rewards else rewards
             lam = args.lam
             if args.lam_length_alpha is not None:  # ALGO LOGIC: VAPO's length-adaptive lambda
                 lam = length_adaptive_lam(sequence_lengths, args.lam_length_alpha)
@@ -762,9 +746,8 @@ def main(args: Args) -> None:
             # ALGO LOGIC: DAPO's dynamic sampling (3.2): groups that all scored alike leave the loss
             # and the whitening
             judged = ~score_components.unjudged
-            dropped = torch.zeros_like(judged)
-            if args.dynamic_sampling:
-                dropped = equal_score_groups(trained_scores, judged, args.num_generations)
+            dropped = (equal_score_groups(trained_scores, judged, args.num_generations) if args.dynamic_sampling
+                       else torch.zeros_like(judged))
             excluded = padding_mask | dropped[:, None]  # out of phase 6's loss and the whitening
             if args.advantage_estimator == "gae":  # ALGO LOGIC: another advantage estimator here
                 advantages = whiten_advantages(advantages, excluded)
@@ -779,12 +762,11 @@ def main(args: Args) -> None:
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
             # the rollout phase 6 trains on and phase 7 reads
             rollout = Rollout(
-                query_responses=query_responses, response_ids=response_ids, trunks=trunks,
-                responses=responses, sequence_lengths=sequence_lengths, padding_mask=padding_mask,
-                padding_mask_p1=padding_mask_p1, logprobs=logprobs, ref_logprobs=ref_logprobs,
-                values=values, kl=kl, non_score_reward=non_score_reward, rewards=rewards,
-                advantages=advantages, returns=returns, scores=scores,
-                trained_scores=trained_scores, contain_eos_token=contain_eos_token,
+                query_responses=query_responses, response_ids=response_ids, trunks=trunks, responses=responses,
+                sequence_lengths=sequence_lengths, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1,
+                logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, kl=kl,
+                non_score_reward=non_score_reward, rewards=rewards, advantages=advantages, returns=returns,
+                scores=scores, trained_scores=trained_scores, contain_eos_token=contain_eos_token,
                 score_components=score_components, dropped=dropped, positive=positive,
                 kl_coef=torch.tensor(kl_coef, device=device))
 
@@ -797,48 +779,33 @@ def main(args: Args) -> None:
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             if stop_early:
                 break
-            # one copy to the device per epoch
-            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
-            # ALGO LOGIC: the token-level loss's denominators (DAPO 3.3): each minibatch's trained
-            # and positive tokens, over all processes
-            denominators = None
-            if args.loss_aggregation != "micro-batch":
-                rows = b_inds.view(args.num_mini_batches, -1)
-                trained = ~(rollout.padding_mask | rollout.dropped[:, None])
-                counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation)
-                                      for mask in (trained, rollout.positive)], 1)
-                share = args.gradient_accumulation_steps * accelerator.num_processes
-                denominators = accelerator.reduce(counts, "sum").clamp(min=1) / share
-            mb_size, micro_size = sizes.local_mini_batch_size, args.per_device_train_batch_size
-            for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, mb_size)):
-                mini_batch_inds = b_inds[mb_start:mb_start + mb_size]
-                micro_batches = [mini_batch_inds[i:i + micro_size]
-                                 for i in range(0, mb_size, micro_size)]
-                if ratio_guard_skips(accelerator, models, args, micro_batches, rollout,
-                                     pad_token_id):
+            b_inds = torch.from_numpy(np.random.permutation(sizes.local_batch_size)).to(device)
+            # the token-level loss's denominators (DAPO 3.3), over all processes
+            denominators = loss_denominators(accelerator, args, rollout, b_inds)
+            for minibatch_idx, mini_batch_inds in enumerate(b_inds.split(sizes.local_mini_batch_size)):
+                micro_batches = mini_batch_inds.split(args.per_device_train_batch_size)
+                if args.ratio_threshold is not None and ratio_guard_skips(accelerator, models, args,
+                                                                          micro_batches, rollout, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 denominator = None if denominators is None else denominators[minibatch_idx]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
-                                                    shortcuts.fused_head, train_policy, denominator)
-                        where = f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}"
-                        finite.note(loss, where)
+                                                    train_policy, denominator)
+                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
                             if args.max_grad_norm is not None:  # TRL accepted it, never clipped
-                                accelerator.clip_grad_norm_(model.parameters(),
-                                                            args.max_grad_norm)
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
-                    del loss, stats
                 # --target-kl: after every minibatch, over all processes (classic TRL: every epoch)
-                approxkl = [s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]]
-                minibatch_kl = accelerator.reduce(torch.stack(approxkl).mean(), "mean")
-                stop_early = args.target_kl is not None and bool(minibatch_kl > args.target_kl)
+                if args.target_kl is not None:
+                    approxkl = torch.stack([s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]])
+                    stop_early = bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl)
                 if stop_early:
                     break
         finite.check(accelerator, update, run.folder.checkpoints)
@@ -861,8 +828,7 @@ def main(args: Args) -> None:
         # ALGO LOGIC: an early end: `last = last or <condition>` here; that update is scored and
         # saved as the last (a condition on held-out eval/* metrics: after `evaluate` below)
         if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
-            held_out = evaluate(accelerator, models, args, setup, eval_queries, update, run.log)
-            metrics.update(held_out)
+            metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run.log))
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         if args.kl_target is not None:  # for the next update, from this rollout's KL
@@ -876,71 +842,63 @@ def main(args: Args) -> None:
         state = dict(kl_coef=kl_coef, score_moments=vars(score_moments))
         stopping = run.checkpoint(model, update, episode, last, lr, state)  # TRY NOT TO MODIFY
         del (query_responses, responses, response_ids, logprobs, ref_logprobs, values, rewards,
-             advantages, returns, rollout, trunks, kept)
+             advantages, returns, rollout, trunks)
         if last or stopping:  # the run's end, an early one, or a stop asked for
             break
     run.finish(update, last, stopping)  # TRY NOT TO MODIFY
 
 
+def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_updates: int = 0):
+    """(the policy's lr, whether the policy trains) at `update`: each group's lr anneals linearly
+    from its own start to 0 over the run (N+ detail 29). During VC-PPO's value pretraining
+    (--value-warmup-updates, verl's critic_warmup) the policy's group waits at 0; when it ends,
+    the policy's Adam state is dropped, since the warm-up stepped it on zero gradients."""
+    anneal = 1.0 - (update - 1.0) / num_updates
+    train_policy = update > value_warmup_updates
+    if value_warmup_updates and update == value_warmup_updates + 1:
+        for p in optimizer.param_groups[0]["params"]:
+            optimizer.state.pop(p, None)
+    for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
+        trains = train_policy or group["name"] != "policy"
+        group["lr"] = anneal * group["initial_lr"] if trains else 0.0
+    return optimizer.param_groups[0]["lr"], train_policy
+
+
 # ---- Phase 1: sampling (the policy's own loop, through a KV cache) -------------------------------
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
-    """(responses cut after the stop token, their log-probs, the states kept while sampling:
-    `shortcuts.keep`), sampled in chunks."""
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, their log-probs), sampled in chunks of
+    --local-rollout-forward-batch-size prompts."""
     chunk = args.local_rollout_forward_batch_size
-    gather_weights = args.ds3_gather_for_generation
-    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
-            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
-                              shortcuts) for i in range(0, queries.size(0), chunk)]
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+        generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
+                     for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
-                       queries.size(1) + responses.size(1))
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs, kept
+    return responses, logprobs
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
-             shortcuts=Shortcuts()):
-    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed
-    back through a KV cache (`synced`: ZeRO-3's, every process steps alike). States kept for
-    scoring need the last token fed too."""
-    # not logits_to_keep=1: a slice made the head a batched matmul
-    last = torch.tensor([-1], device=queries.device)
-    # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
-    if shortcuts.shared_prefix:
-        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
-    else:
-        inputs = model_inputs(queries, pad_token_id)
-        out = policy(**inputs, use_cache=True, logits_to_keep=last)
-        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache
-    # (speed.py, checked)
-    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
-                                         args.response_length) if shortcuts.static is not None else None
-    logits, tokens, logprobs = out.logits[:, -1], [], []
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
+    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed back
+    through the KV cache, the last too (its states: `keep_trunk`); `synced` (ZeRO-3): all step alike."""
+    inputs = model_inputs(queries, pad_token_id)
+    # the LM head on the last position only (a tensor index: a slice made it a batched matmul)
+    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1], device=queries.device))
+    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    # read once the next forward is queued: the GPU never waits for the host
-    done_flag = HostFlag(queries.device)
-    for step in range(args.response_length):
-        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
+    tokens, logprobs = [], []
+    for _ in range(args.response_length):
+        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
                                                      stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        final = step == args.response_length - 1
-        if final and not shortcuts.keep:
-            break
-        if stop_token_id is not None:
-            done_flag.send(done)
-        if static_step is not None:
-            logits = static_step(token)
-        else:
-            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
-            logits = out.logits[:, -1]
-        if final or stop_token_id is not None and done_flag.read():
+        attention_mask, position_ids = F.pad(attention_mask, (0, 1), value=1), position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+        if stop_token_id is not None and bool(done):
             break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -962,31 +920,25 @@ def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, 
     return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
 
 
-def next_token_forward(policy, token, out, attention_mask, position_ids):
-    """One token through the dynamic KV cache of `out`: (the output, the attention mask and
-    position ids grown)."""
-    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-    position_ids = position_ids + 1
-    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=out.past_key_values, use_cache=True)
-    return out, attention_mask, position_ids
-
-
 # ---- Phase 2: the scoring forwards, each from the frozen trunk where there is one ----------------
-def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, kept: dict,
-                  shortcuts: Shortcuts, args: Args, with_value: bool = True) -> dict:
-    """The frozen bottom blocks' output, "policy" (the reference's too: the same weights) and
-    "value", as (hidden states, number of blocks): kept while sampling, else run here."""
+def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: int, args: Args, trunk=None,
+                  with_value: bool = True) -> dict:
+    """The output of the frozen bottom blocks (--num-trainable-layers), by model ("policy",
+    "reference", "value"), as (hidden states, number of blocks): run once per update, since no
+    update can change it, so every later forward runs only the blocks above. A model whose trunk
+    `load_models` found equal to the policy's (the same weights) shares the policy's; `trunk`:
+    the policy's, kept while sampling (None: run here)."""
     trunks, chunk = {}, args.local_rollout_forward_batch_size
-    for name, m in (("policy", models.policy), ("value", models.value_model if with_value else None)):
-        n = shortcuts.num_frozen.get(name)
+    reference = models.policy if models.ref_policy is None else models.ref_policy
+    for name, m in (("policy", models.policy), ("reference", reference),
+                    ("value", models.value_model if with_value else None)):
+        n = models.num_frozen.get(name)
         if m is None or n is None:
             continue
-        # the value model starts from the SFT policy too
-        if name == "value" and shortcuts.value_shares_trunk:
-            trunks["value"] = trunks["policy"]
-        elif name == "policy" and "trunk" in kept:
-            trunks["policy"] = (kept["trunk"], n)
+        if name in models.shares_policy_trunk:
+            trunks[name] = trunks["policy"]
+        elif name == "policy" and trunk is not None:
+            trunks[name] = trunk
         else:
             trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
                                        for i in range(0, query_responses.size(0), chunk)]), n)
@@ -994,14 +946,13 @@ def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: i
 
 
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, trunks: dict,
-                         kept: dict, with_values=True):
-    """The no-grad forwards in chunks: reference log-probs, values (or None) and the exact KL (or
-    None)."""
+                         context_length: int, args: Args, pad_token_id: int, trunks: dict, with_values=True):
+    """The no-grad forwards in chunks, each model from its frozen trunk in `trunks` if it has one:
+    reference log-probs, values (0 if not `with_values`) and the exact KL (or None)."""
     ref_logprobs, values, full_kls = [], [], []
     policy, value_model, value_head = models.policy, models.value_model, models.value_head
     ref_model = policy if models.ref_policy is None else models.ref_policy
-    chunk, full = args.local_rollout_forward_batch_size, args.kl_estimator == "full"
+    chunk, temperature = args.local_rollout_forward_batch_size, args.temperature
     for i in range(0, query_responses.size(0), chunk):
         qr, ids = query_responses[i:i + chunk], response_ids[i:i + chunk]
         trunk = {name: (hidden[i:i + chunk], n) for name, (hidden, n) in trunks.items()}
@@ -1010,45 +961,22 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
         reference = (reference_adapter(policy, args.ref_adapter_name, args.model_adapter_name or "default")
                      if args.use_peft else nullcontext())
         with reference:
-            if full:
-                ref_out = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
-                                                     trunk.get("policy"))[0], args.temperature, pad_token_id)
-            else:
-                ref_out = response_logprobs(ref_model, qr, pad_token_id, context_length, ids, args.temperature,
-                                            trunk=trunk.get("policy"), fused_head=shortcuts.fused_head)[0]
-        if full:  # the policy's whole distribution too, one chunk at a time
-            ref_logprobs.append(logprobs_from_logits(ref_out, ids))
-            full_kls.append(full_kl(scale_logits(policy_logits(policy, qr, pad_token_id, context_length,
-                                                               trunk.get("policy"))[0], args.temperature,
-                                                 pad_token_id), ref_out))
-        else:
-            ref_logprobs.append(ref_out)
-        del ref_out
-        # from the policy's final states: kept while sampling, or run
-        if with_values and value_head is not None:
-            hidden = kept["final"][i:i + chunk] if "final" in kept else None
-            values.append(value_forward(policy, qr, pad_token_id, context_length, value_head, hidden,
-                                        trunk.get("policy")))
+            ref_logits = scale_logits(policy_logits(ref_model, qr, pad_token_id, context_length,
+                                                    trunk.get("reference"))[0], temperature, pad_token_id)
+        ref_logprobs.append(logprobs_from_logits(ref_logits, ids))
+        if args.kl_estimator == "full":  # the policy's whole distribution too, one chunk at a time
+            logits = policy_logits(policy, qr, pad_token_id, context_length, trunk.get("policy"))[0]
+            full_kls.append(full_kl(scale_logits(logits, temperature, pad_token_id), ref_logits))
+        del ref_logits
+        if with_values and value_head is not None:  # --shared-value-head: on the policy's final states
+            values.append(value_forward(policy, qr, pad_token_id, context_length, value_head,
+                                        trunk=trunk.get("policy")))
         elif with_values:
             values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
-    values = torch.cat(values) if with_values else None
-    return torch.cat(ref_logprobs), values, torch.cat(full_kls) if full else None
-
-
-@contextmanager
-def reference_adapter(policy: PeftModel, ref_adapter_name: str | None, model_adapter_name: str):
-    """Inside: the reference, adapter off or named (classic TRL's disable_adapter() without
-    `with` did nothing)."""
-    if ref_adapter_name is None:
-        with policy.disable_adapter():
-            yield
-        return
-    # inference_mode: the reference adapter stays frozen
-    policy.set_adapter(ref_adapter_name, inference_mode=True)
-    try:
-        yield
-    finally:
-        policy.set_adapter(model_adapter_name)
+    ref_logprobs = torch.cat(ref_logprobs)
+    # without a critic (grpo, rloo; evaluate) no value forward runs: values 0
+    values = torch.cat(values) if with_values else torch.zeros_like(ref_logprobs)
+    return ref_logprobs, values, torch.cat(full_kls) if full_kls else None
 
 
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
@@ -1060,7 +988,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
     """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
-    blocks above the n frozen ones alone, from their output (speed.py's `blocks_only`)."""
+    blocks above the n frozen ones alone, from their output (ppo_harness/trunk.py's `blocks_only`)."""
     inputs = model_inputs(query_responses, pad_token_id)
     if trunk is None:
         return inputs, nullcontext()
@@ -1087,16 +1015,9 @@ def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
+                      with_entropy=False, trunk=None, with_hidden=False):
     """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under
     the sampling distribution."""
-    # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients
-    # checked)
-    if fused_head:
-        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
-        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
-                                          response_ids, temperature, pad_token_id, with_entropy)
-        return logprobs, entropy, hidden
     logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
     logits = scale_logits(logits, temperature, pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab)
@@ -1115,40 +1036,35 @@ def value_forward(value_model, query_responses, pad_token_id, context_length, he
     return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
 
-# ---- Phase 3: scores (reward models here, reward functions through ppo_harness/reward_calls.py) ---
+# ---- Phase 3: scores (reward models; other tokenizers' and functions' plumbing in ppo_harness/) ---
 def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Tensor, rows: dict,
                     global_step: int = 0, judged: list[bool] | None = None):
     """(the weighted sum of every reward, `RewardComponents`) of responses to `rows`. A None
     (NaN) adds 0 (TRL's nansum); a row no reward judged is `unjudged`. `judged`: the held-out
     rows functions see; None: a training batch, stopped if no process has a judged row."""
-    components, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
+    scores, chunk, prompts = {}, rewards.chunk, rows[rewards.prompt_column]
     for name, rm, rm_tokenizer, max_length in zip(rewards.names, rewards.models, rewards.tokenizers,
                                                   rewards.max_lengths):
         if rm_tokenizer is None:
-            components[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
-                                                                             responses[i:i + chunk]), 1),
-                                                              rewards.policy_tokenizer.pad_token_id, queries.size(1))
-                                          for i in range(0, queries.size(0), chunk)])
+            scores[name] = torch.cat([reward_model_scores(rm, torch.cat((queries[i:i + chunk],
+                                                                         responses[i:i + chunk]), 1),
+                                                          rewards.policy_tokenizer.pad_token_id, queries.size(1))
+                                      for i in range(0, queries.size(0), chunk)])
         else:
             texts = reward_model_texts(rewards.policy_tokenizer, rm_tokenizer, prompts, queries, responses,
                                        rewards.chat)
             # chat texts carry the template's own special tokens; a plain text gets the tokenizer's
             # (e.g. BOS)
-            components[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
-                                                             not rewards.chat, queries.device)
-                                          for i in range(0, len(texts), chunk)])
-    logs = RewardLogs(queries.size(0), taken=("update", "query", "prompt", "model response", "score", *rewards.names))
-    # called with TRL's keywords, async ones awaited together (ppo_harness/reward_calls.py)
-    if rewards.fns:
-        components.update(function_scores(rewards, rows, responses, global_step, logs, judged))
+            scores[name] = torch.cat([text_reward_scores(rm, rm_tokenizer, texts[i:i + chunk], max_length,
+                                                         not rewards.chat, queries.device)
+                                      for i in range(0, len(texts), chunk)])
+    # the functions called with TRL's keywords, async ones awaited together, a batch no reward
+    # judged stopped (ppo_harness/reward_calls.py)
+    components = reward_components(rewards, rows, responses, global_step, scores, judged,
+                                   taken=("update", "query", "prompt", "model response", "score"))
     functions = rewards.names[len(rewards.model_paths):]
-    if rewards.stop_unjudged:
-        check_every_row_judged(components, functions, prompts, judged=judged)
-    unjudged = unjudged_rows(components, functions, judged)  # each function's None
-    if judged is None:
-        check_some_row_judged(unjudged, functions, global_step + 1)
     return sum(w * (components[n].nan_to_num(0.0) if n in functions else components[n])
-               for n, w in zip(rewards.names, rewards.weights)), RewardComponents(components, logs, unjudged)
+               for n, w in zip(rewards.names, rewards.weights)), components
 
 
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
@@ -1158,40 +1074,6 @@ def reward_model_scores(reward_model, query_responses, pad_token_id, context_len
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     rows = torch.arange(hidden.size(0), device=hidden.device)
     return reward_model.score(hidden[rows, last]).squeeze(-1).float()
-
-
-def text_reward_scores(reward_model, rm_tokenizer, texts: list[str], max_length: int, add_special_tokens: bool,
-                       device) -> torch.Tensor:
-    """A reward model with its own tokenizer, on texts: its score at each row's last real token
-    (its attention mask)."""
-    batch = rm_tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, truncation=True,
-                         max_length=max_length, return_tensors="pt").to(device)
-    # an encoder (BERT, DeBERTa) pools by itself, at its first token
-    if not hasattr(reward_model, "score"):
-        return reward_model(**batch).logits[:, 0].float()
-    hidden = reward_model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     use_cache=False).last_hidden_state
-    last, rows = batch["attention_mask"].sum(1) - 1, torch.arange(hidden.size(0), device=hidden.device)
-    return reward_model.score(hidden[rows, last]).squeeze(-1).float()
-
-
-def reward_model_texts(policy_tokenizer, rm_tokenizer, prompts: list, queries: torch.Tensor, responses: torch.Tensor,
-                       chat: bool) -> list[str]:
-    """What a reward model with its own tokenizer reads: a chat rendered by ITS template, or
-    prompt + response."""
-    if chat:
-        answers = policy_tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return [rm_tokenizer.apply_chat_template(with_answer(as_messages(p), a), tokenize=False)
-                for p, a in zip(prompts, answers)]
-    return policy_tokenizer.batch_decode(torch.cat((queries, responses), 1), skip_special_tokens=True)
-
-
-def with_answer(messages: list[dict], answer: str) -> list[dict]:
-    """The chat with the policy's answer: a new assistant turn, or the continuation of a final
-    assistant prefix."""
-    if messages[-1]["role"] == "assistant":
-        return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + answer}]
-    return messages + [{"role": "assistant", "content": answer}]
 
 
 def scale_scores(scores: torch.Tensor, score_moments: RunningMoments, args: Args, accelerator: Accelerator):
@@ -1212,8 +1094,7 @@ class Rollout(NamedTuple):
     metric can read."""
     query_responses: torch.Tensor
     response_ids: torch.Tensor  # the responses with 0 for [PAD]: the ids log-probs are gathered at
-    # "policy", "value": (the frozen blocks' output, their number), where there are frozen blocks
-    trunks: dict
+    trunks: dict  # by model: (the frozen blocks' output, their number), where a model has frozen blocks
     # as wide as the longest response and one column past it (compiled: --response-length)
     responses: torch.Tensor
     sequence_lengths: torch.Tensor  # index of the last real response token (-1: empty)
@@ -1238,12 +1119,22 @@ class Rollout(NamedTuple):
     kl_coef: torch.Tensor | float = 0.0  # the beta of `rewards` (grpo: of its KL loss)
 
 
+def loss_denominators(accelerator: Accelerator, args: Args, r: Rollout, b_inds: torch.Tensor):
+    """--loss-aggregation token or sequence (DAPO 3.3): each minibatch's trained and positive tokens
+    (or sequences), summed over all processes, as each micro-batch's share (None: micro-batch)."""
+    if args.loss_aggregation == "micro-batch":
+        return None
+    rows = b_inds.view(args.num_mini_batches, -1)
+    trained = ~(r.padding_mask | r.dropped[:, None])
+    counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation) for mask in (trained, r.positive)], 1)
+    share = args.gradient_accumulation_steps * accelerator.num_processes
+    return accelerator.reduce(counts, "sum").clamp(min=1) / share
+
+
 def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micro_batches: list, r: Rollout,
                       pad_token_id: int) -> bool:
     """--ratio-threshold: skip a minibatch whose mean ratio (all processes) exceeds it (classic
     TRL zeroed the loss, and still stepped Adam)."""
-    if args.ratio_threshold is None:
-        return False
     total = torch.zeros(2, device=accelerator.device)
     context_length = r.query_responses.size(1) - r.responses.size(1)
     # as the rollout's log-probs (the wrapped model's forward is)
@@ -1252,23 +1143,22 @@ def ratio_guard_skips(accelerator: Accelerator, models: Models, args: Args, micr
             trunk = r.trunks.get("policy")
             new = response_logprobs(models.policy, r.query_responses[mbi], pad_token_id, context_length,
                                     r.response_ids[mbi], args.temperature,
-                                    trunk=None if trunk is None else (trunk[0][mbi], trunk[1]),
-                                    fused_head=models.shortcuts.fused_head)[0]
+                                    trunk=None if trunk is None else (trunk[0][mbi], trunk[1]))[0]
             real = ~(r.padding_mask[mbi] | r.dropped[mbi, None])  # the tokens phase 6 trains on
             total += torch.stack([(torch.exp(new - r.logprobs[mbi]) * real).sum(), real.sum()])
     total = accelerator.reduce(total, "sum")
     return (total[0] / total[1]).item() > args.ratio_threshold
 
 
-def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False,
-             train_policy: bool = True, denominators: torch.Tensor | None = None):
+def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, train_policy: bool = True,
+             denominators: torch.Tensor | None = None):
     """Phase 6 on some rows of the rollout: the training forward, the losses, their sum (loss,
     stats). Compiled whole on CUDA (--compile): nothing here may read a tensor on the host."""
-    # the frozen blocks' output
-    trunks = {name: (hidden[rows], n) for name, (hidden, n) in r.trunks.items()}
+    # the frozen blocks' output, for the two trained models
+    trunks = {name: (r.trunks[name][0][rows], r.trunks[name][1]) for name in ("policy", "value") if name in r.trunks}
     context_length = r.query_responses.size(1) - r.responses.size(1)
     new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
-                                         r.response_ids[rows], args.temperature, trunks, fused_head)
+                                         r.response_ids[rows], args.temperature, trunks)
     # the tokens this step trains on: real, judged, of a group with a signal (--dynamic-sampling)
     padding_mask = r.padding_mask[rows] | r.dropped[rows, None]
     padding_mask_p1 = r.padding_mask_p1[rows] | r.dropped[rows, None]
@@ -1317,14 +1207,13 @@ class PolicyAndValueWrapper(nn.Module):
         self.value_model = value_model
         self.value_head = value_head
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None,
-                fused_head=False):
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None):
         """(log-probs, entropies, values) of the responses, each model from its frozen trunk in
         `trunks`, if any; --shared-value-head: values from the same policy forward."""
         trunks = trunks or {}
         logprobs, entropy, hidden = response_logprobs(
             self.policy, query_responses, pad_token_id, context_length, response_ids, temperature, with_entropy=True,
-            trunk=trunks.get("policy"), fused_head=fused_head, with_hidden=self.value_head is not None)
+            trunk=trunks.get("policy"), with_hidden=self.value_head is not None)
         if self.value_head is not None:
             return logprobs, entropy, value_forward(self.policy, query_responses, pad_token_id, context_length,
                                                     self.value_head, hidden)
@@ -1372,11 +1261,7 @@ def gathered_metrics(accelerator: Accelerator, args: Args, r: Rollout,
                  "val/explained_variance": explained_variance_sums(r.values, r.returns,
                                                                   ~(r.padding_mask_p1 | r.dropped[:, None]))})
     counts = {**{k: 1.0 for k in local}, **{k: active.sum().item() for k in [*keys, "val/ratio"]}}
-    flat = torch.cat([torch.cat([v.reshape(-1).cpu() for v in sums.values()]), torch.tensor(list(counts.values()))])
-    flat = accelerator.gather(flat.to(accelerator.device).unsqueeze(0)).sum(0).cpu()
-    sizes = [v.numel() for v in sums.values()]
-    total = dict(zip(sums, flat[:sum(sizes)].split(sizes)))
-    count = dict(zip(counts, flat[sum(sizes):].tolist()))  # each key's, summed over processes
+    total, count = summed_over_processes(accelerator, sums, counts)
     metrics = {k: (total[k].item() / count[k] if count[k] else 0.0) for k in local}
     metrics.update({k: total[k].item() / count[k] for k in keys if count[k]})
     m = count["val/ratio"]
@@ -1412,17 +1297,17 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
     pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
-        responses, logprobs, kept = sample_responses(accelerator, models.model, eval_queries, args, setup.zero3,
-                                                     pad_token_id, setup.stop_token_id, models.shortcuts, generator)
+        responses, logprobs = sample_responses(accelerator, models.sampler, eval_queries, args, setup.zero3,
+                                               pad_token_id, setup.stop_token_id, generator)
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
                                              setup.eval_judged)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update
         # trains)
         query_responses = torch.cat((eval_queries, responses), 1)
-        trunks = frozen_trunks(models, query_responses, pad_token_id, kept, models.shortcuts, args, with_value=False)
+        trunks = frozen_trunks(models, query_responses, pad_token_id, args, with_value=False)
         ref_logprobs, _, full_kl_per_token = reference_and_values(
             models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
-            pad_token_id, models.shortcuts, trunks, kept, with_values=False)
+            pad_token_id, trunks, with_values=False)
         padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
         kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
     queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)
@@ -1437,28 +1322,6 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
 
 
 # ---- Set-up, in call order: every check before any model loads, the run's folder taken last ------
-@dataclass
-class Rewards:
-    """Every reward (reward models first, then functions) and what scoring a response with them
-    needs."""
-    names: list[str]
-    weights: list[float]
-    fn_specs: list[str]
-    fns: list[Callable]
-    model_paths: list[str]
-    # per reward model: None (it reads the policy's token ids) or its own tokenizer
-    tokenizers: list
-    max_lengths: list[int | None]
-    policy_tokenizer: object
-    chat: bool
-    prompt_column: str
-    chunk: int
-    max_steps: int = 1  # updates, and updates per pass over the prompts: TRL's trainer_state
-    updates_per_epoch: int = 1
-    stop_unjudged: bool = False  # --unjudged-rows stop
-    models: list = field(default_factory=list)  # filled by `load_models`
-
-
 @dataclass
 class Setup:
     """What `set_up` resolved and checked before any model loads."""
@@ -1570,24 +1433,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
 
     # the rewards, models first then functions (`vader` if none), each tried on two prompts, before
     # any model loads
-    fn_specs = list(args.reward_fn) or ([] if args.reward_model_path else ["vader"])
-    names = reward_names(args.reward_model_path, fn_specs)
-    weights = list(args.reward_weights) if args.reward_weights is not None else [1.0] * len(names)
-    rewards = Rewards(names=names, weights=weights, fn_specs=fn_specs, model_paths=reward_model_paths,
-                      fns=[load_reward_fn(spec, args.reward_url_timeout, args.reward_url_retries,
-                                          args.reward_url_protocol, args.label_key,
-                                          args.reward_url_rows_per_request) for spec in fn_specs],
-                      tokenizers=reward_tokenizers, max_lengths=reward_max_lengths, policy_tokenizer=tokenizer,
-                      chat=chat, prompt_column=args.dataset_prompt_column, chunk=args.local_rollout_forward_batch_size,
-                      max_steps=sizes.num_updates,
-                      updates_per_epoch=len(train_dataset) // (sizes.batch_size // args.num_generations),
-                      stop_unjudged=args.unjudged_rows == "stop")
-    first_rows = train_dataset[:2]
-    first_queries = left_pad(first_rows["input_ids"], tokenizer.pad_token_id)
-    check_reward_fns(rewards, first_rows, first_queries, rewards.stop_unjudged)
-    for rm_tokenizer in filter(None, reward_tokenizers):
-        reward_model_texts(tokenizer, rm_tokenizer, first_rows[args.dataset_prompt_column], first_queries,
-                           first_queries, chat)
+    rewards = load_rewards(args, reward_model_paths, reward_tokenizers, reward_max_lengths, tokenizer, chat, sizes,
+                           train_dataset, left_pad(train_dataset[:2]["input_ids"], tokenizer.pad_token_id))
     if args.shared_value_head:
         value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
     else:
@@ -1603,7 +1450,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     reads = {"--sft-model-path": args.sft_model_path, "--sft-model-path's base": sft_model_path,
              "--value-model-path": value_model_path, "--dataset-name": args.dataset_name,
              **{f"--reward-model-path {p}": p for p in reward_model_paths},
-             **{f"--reward-fn {f}": f.rpartition(":")[0] for f in fn_specs if ".py:" in f}}
+             **{f"--reward-fn {f}": f.rpartition(":")[0] for f in rewards.fn_specs if ".py:" in f}}
     folder = claim(accelerator, args, run_state, RESUME_MAY_CHANGE, reads)
     return accelerator, Setup(
         sizes=sizes, zero3=zero3, folder=folder, run_state=run_state, sft_model_path=sft_model_path,
@@ -1633,9 +1480,8 @@ def check_args(args: Args) -> None:
     if args.ref_adapter_name is not None and args.ref_adapter_name == (args.model_adapter_name or "default"):
         raise ValueError(f"--ref-adapter-name {args.ref_adapter_name}: the reference cannot be the trained adapter")
     if args.reward_url_rows_per_request != 1 and args.reward_url_protocol != "openrlhf":
-        raise ValueError("--reward-url-rows-per-request is OpenRLHF's protocol's: ours posts the "
-                         "whole batch (a function may score a row against its group); add "
-                         "--reward-url-protocol openrlhf, or drop it")
+        raise ValueError("--reward-url-rows-per-request is OpenRLHF's protocol's: ours posts the whole batch (a "
+                         "function may score a row against its group); add --reward-url-protocol openrlhf, or drop it")
     if args.shared_value_head and args.value_model_path is not None:
         raise ValueError("--shared-value-head puts the value on the policy's trunk, so no value model is loaded: "
                          "drop --value-model-path, or pass --no-shared-value-head to train a separate value model")
@@ -1658,74 +1504,6 @@ def check_args(args: Args) -> None:
                          "process samples per update (per-device batch x accumulation x minibatches)")
 
 
-def lora_config(args, model_config, trust_remote_code: bool = False) -> LoraConfig:
-    """The fresh adapter, on the top --num-trainable-layers blocks; tried on a meta-device copy,
-    so unknown target modules fail before any load."""
-    num_blocks, targets = model_config.num_hidden_layers, args.lora_target_modules
-    top = None if args.num_trainable_layers is None else list(range(num_blocks - args.num_trainable_layers,
-                                                                    num_blocks))
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-        if targets == ["all-linear"]:
-            blocks = transformer_blocks(skeleton)[1]
-            targets = sorted({n.split(".")[-1] for n, m in blocks.named_modules() if isinstance(m, nn.Linear)})
-        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                            target_modules=targets, layers_to_transform=top, bias="none", task_type="CAUSAL_LM")
-        try:
-            get_peft_model(skeleton, config)
-        except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
-            raise ValueError(f"--lora-target-modules {config.target_modules}: {e}") from None
-    return config
-
-
-def tokenize_prompts(accelerator: Accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args: Args,
-                     model_config) -> Dataset:
-    """`input_ids`, tokenised by the first process (the others read its cache); an empty or too
-    long prompt refused."""
-    with accelerator.main_process_first(), accelerator.local_main_process_first():
-        dataset = dataset.map(
-            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column], chat)},
-            batched=True)
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    if min(lengths) == 0:
-        raise ValueError(f"{source}: a prompt tokenises to zero tokens")
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    if max_positions is not None and max(lengths) + args.response_length > max_positions:
-        raise ValueError(f"{source}: the longest prompt ({max(lengths)} tokens) plus --response-length "
-                         f"{args.response_length} exceeds the model's {max_positions} positions: shorten prompts or "
-                         "responses")
-    return dataset
-
-
-def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
-    """Token ids of each prompt: text as it is, or messages rendered by the chat template
-    (generation prompt)."""
-    if not (isinstance(prompts[0], list) if chat is None else chat):
-        return tokenizer(prompts)["input_ids"]
-    if tokenizer.chat_template is None:
-        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat template (a base "
-                         "model: give a text prompt column, or a tokenizer with a chat template)")
-    prompts = [as_messages(p) for p in prompts]
-    for messages in prompts:
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} messages: {messages!r:.200}")
-        roles = {m.get("role") for m in messages}
-        if not roles <= {"system", "user", "assistant", "tool"}:
-            raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: system, user, "
-                             "assistant, tool)")
-    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12
-    # starts a new turn)
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
-                                           continue_final_message=m[-1]["role"] == "assistant", tokenize=False)
-             for m in prompts]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def as_messages(prompt) -> list[dict]:
-    """A prompt as chat messages: a text prompt becomes one user turn."""
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
 def value_model_init(value_model_path: str | None, reward_model_paths: list[str], reward_tokenizers: list,
                      sft_model_path: str) -> tuple[str, str]:
     """(the value model's start, why): a reward model on the policy's tokenizer (N+ 18), else the
@@ -1740,19 +1518,6 @@ def value_model_init(value_model_path: str | None, reward_model_paths: list[str]
         else "the reward comes from functions only)")
 
 
-def banner_notes(setup: Setup) -> list[str]:
-    """The banner's lines on prompts, rewards and the value's initialisation."""
-    rewards = setup.rewards
-    rendering = "its chat template" if rewards.chat else "prompt + response"
-    how = [f"reward model {p}, " + ("the policy's tokenizer (its token ids, no decode)" if t is None else
-                                    f"its own tokenizer (decoded text, {rendering}, the last {n} tokens)")
-           for p, t, n in zip(rewards.model_paths, rewards.tokenizers, rewards.max_lengths)]
-    return [f"prompts: {'chat template' if rewards.chat else 'text'}; stop token id {setup.stop_token_id}",
-            *[f"reward {n} (weight {w:g}): {h}" for n, w, h in zip(
-                rewards.names, rewards.weights, how + [f"function {spec}" for spec in rewards.fn_specs])],
-            setup.value_init, *setup.notes]
-
-
 # ---- The models: LoRA, a value head, frozen blocks, one optimizer --------------------------------
 @dataclass
 class Models:
@@ -1765,8 +1530,16 @@ class Models:
     ref_policy: nn.Module | None
     value_model: nn.Module | None  # None with --shared-value-head
     value_head: nn.Linear | None
-    # the frozen trunks and the speed layer's shortcuts its checks accepted (the banner says)
-    shortcuts: Shortcuts
+    # the frozen bottom blocks of each model whose trunk `check_trunks` found exact: "policy",
+    # "reference", "value"; and those whose trunk is the policy's (the same weights)
+    num_frozen: dict
+    shares_policy_trunk: set
+    # the policy's frozen blocks whose output sampling keeps (`keep_trunk`; None: not kept)
+    keep_trunk: int | None
+    notes: list  # the banner's lines on the trunks and the sampler
+    # what `sample_responses` samples with: the prepared model, or (main) a `StaticSampler` around
+    # its policy
+    sampler: object = None
 
     def named(self, rewards: Rewards) -> dict:
         """Each model by its name in the banner."""
@@ -1776,8 +1549,8 @@ class Models:
 
 
 def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
-    """Policy, reference, value model or head, reward models, optimizer, accelerate; the
-    shortcuts checked."""
+    """Policy, reference, value model or head, reward models, optimizer, accelerate; the frozen
+    trunks checked."""
     model_kwargs = dict(trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(setup.sft_model_path, **model_kwargs)
     ref_policy = None if args.use_peft else AutoModelForCausalLM.from_pretrained(setup.sft_model_path,
@@ -1811,10 +1584,10 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         # the policy's transformers model, also inside its adapter's PeftModel
         for m in trained_models:
             enable_gradient_checkpointing(m)
-    # the frozen trunks and the fused head, checked against this page's forwards as they are
-    # (ppo_harness/speed.py); the value model shares the policy's trunk when both are the SFT's
-    shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, value_head, setup.compiled,
-                               setup.value_model_path == setup.sft_model_path)
+    # the frozen trunks (--num-trainable-layers), checked against this page's forwards as they are
+    # (ppo_harness/trunk.py), and which models share the policy's
+    num_frozen, shares, trunk_note = check_trunks(sys.modules[__name__], args, setup, policy, ref_policy,
+                                                  value_model, value_head)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
@@ -1833,9 +1606,13 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in frozen_models:
             m.to(dtype)
-    # sampling's shortcuts and kept states, checked on the prepared policy, in the run's precision
-    shortcuts = check_sampling(sys.modules[__name__], args, accelerator, setup, policy, value_head, shortcuts)
-    return Models(model, optimizer, policy, ref_policy, value_model, value_head, shortcuts)
+    # the trunk's states that sampling computes anyway, kept where they are a full forward's
+    with accelerator.autocast():
+        keep, kept_note = check_kept_trunk(sys.modules[__name__], args, setup, policy, num_frozen.get("policy"))
+    training_step = f"training step: {'compiled (torch.compile, fullgraph)' if setup.compiled else 'eager'} " \
+                    f"(--compile {args.compile})"
+    return Models(model, optimizer, policy, ref_policy, value_model, value_head, num_frozen, shares,
+                  num_frozen.get("policy") if keep else None, [trunk_note, kept_note, training_step], sampler=model)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:

@@ -9,7 +9,6 @@ import math
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple
@@ -25,15 +24,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ppo_harness.launch import check_flags, gather_once, process_share, start
-from ppo_harness.models import (check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen,
-                                unpeft)
+from ppo_harness.models import check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
 from ppo_harness.run_log import FiniteLosses, RunLog, print_rows
-from ppo_harness.speed import (CompiledOrEager, HostFlag, Shortcuts, blocks_only, check_forwards,
-                               check_sampling, head_logprobs, keep_states, kept_states, on_device,
-                               prefill_shared_prefix, ready_to_compile, should_compile)
+from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.writes import write_atomic
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
@@ -182,8 +178,8 @@ class Args:
     """ZeRO-3: gather the policy once per rollout to sample fast (off: sample from the shards,
     slowly but smaller)"""
     fast_paths: bool = True
-    """ppo_harness/speed.py's shortcuts, each where its start-up check passes (off: the plain
-    forwards alone)"""
+    """the hand-written path of the README's ledger where its start-up check passes: on CUDA the
+    static sampler (off: the dynamic cache alone)"""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long
     enough to pay the compile time back (README "Speed"), off on the CPU (slower there than the
@@ -449,10 +445,12 @@ def value_loss(vpred, old_values, returns, padding_mask_p1, cliprange_value):
 
 # ---- main: the PPO loop, phase by phase; what it calls follows it, in call order -----------------
 def main(args: Args) -> None:
-    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models; their shortcuts
+    # 0. Set-up. TRY NOT TO MODIFY: every check before any model loads; the models
     accelerator, setup = set_up(args)
     models = load_models(args, accelerator, setup)
-    model, optimizer, shortcuts = models.model, models.optimizer, models.shortcuts
+    model, optimizer = models.model, models.optimizer
+    # speed, CUDA only: sampling's decode steps replay CUDA graphs where its probe passes (README: the ledger)
+    models.sampler = static_sampler(sys.modules[__name__], args, accelerator, setup, models) or model
     sizes, device = setup.sizes, accelerator.device
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
     # the training step is the page's own `ppo_loss`, compiled whole by --compile (backward too)
@@ -469,7 +467,7 @@ def main(args: Args) -> None:
     rm_bias = score_bias(models.reward_model.config)
     value_bias = score_bias(models.value_model.config)
     biases = f"score bias (N+ detail 14): reward model {rm_bias:.4g}, value model {value_bias:.4g}"
-    run = start_run(accelerator, args, setup, optimizer, models.named(), [biases, *shortcuts.notes],
+    run = start_run(accelerator, args, setup, optimizer, models.named(), [biases, *models.notes],
                     args.sft_model_path)
     eval_queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(device)
     for update in range(run.start_update, sizes.num_updates + 1):
@@ -490,9 +488,8 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after eos (N+ 21)
-            responses, logprobs, _ = sample_responses(accelerator, model, queries, args,
-                                                      setup.zero3, pad_token_id, stop_token_id,
-                                                      shortcuts)
+            responses, logprobs = sample_responses(accelerator, models.sampler, queries, args,
+                                                   setup.zero3, pad_token_id, stop_token_id)
             # as wide as --response-length (SFD): a score lands past the eos
             responses = pad_columns(responses, args.response_length, pad_token_id)
             logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
@@ -505,8 +502,7 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values
             ref_logprobs, values, _ = reference_and_values(models, query_responses, response_ids,
-                                                           context_length, args, pad_token_id,
-                                                           shortcuts)
+                                                           context_length, args, pad_token_id)
             # 3. Scores: the reward model's, then the missing-eos rule (N+ detail 22)
             scores = score_responses(models.reward_model, queries, responses, pad_token_id,
                                      args.local_rollout_forward_batch_size)
@@ -550,7 +546,7 @@ def main(args: Args) -> None:
         finite = FiniteLosses(device)  # losses checked on the device, read after the epochs
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             # one copy to the device per epoch, not one per micro-batch
-            b_inds = on_device(np.random.permutation(sizes.local_batch_size), device)
+            b_inds = torch.from_numpy(np.random.permutation(sizes.local_batch_size)).to(device)
             mb_size, micro_size = sizes.local_mini_batch_size, args.per_device_train_batch_size
             for minibatch_idx, mb_start in enumerate(range(0, sizes.local_batch_size, mb_size)):
                 mini_batch_inds = b_inds[mb_start:mb_start + mb_size]
@@ -558,8 +554,7 @@ def main(args: Args) -> None:
                                  for i in range(0, mb_size, micro_size)]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
-                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
-                                                    shortcuts.fused_head)
+                        loss, stats = training_loss(model, mbi, rollout, args, pad_token_id)
                         where = f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}"
                         finite.note(loss, where)
                         accelerator.backward(loss)
@@ -605,63 +600,39 @@ def main(args: Args) -> None:
 
 # ---- Phase 1: sampling (the policy's own loop, through a KV cache) -------------------------------
 def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.Tensor, args: Args, zero3: bool,
-                     pad_token_id: int, stop_token_id: int | None, shortcuts: Shortcuts, generator=None):
-    """(responses cut after the stop token, their log-probs, the states kept while sampling:
-    `shortcuts.keep`), sampled in chunks."""
+                     pad_token_id: int, stop_token_id: int | None, generator=None):
+    """(responses cut after the stop token, their log-probs), sampled in chunks of
+    --local-rollout-forward-batch-size prompts."""
     chunk = args.local_rollout_forward_batch_size
-    gather_weights = args.ds3_gather_for_generation
-    with policy_for_generation(accelerator, model, zero3, gather_weights) as (sampler, synced), \
-            keep_states(sampler, shortcuts) as pieces:  # states sampling computes anyway: the trunk, final ones
-        generated = [generate(sampler, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced,
-                              shortcuts) for i in range(0, queries.size(0), chunk)]
+    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+        generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
+                     for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
     logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
-    kept = kept_states(pieces, queries != pad_token_id, [r.size(1) for r, _ in generated],
-                       queries.size(1) + responses.size(1))
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
-    return responses, logprobs, kept
+    return responses, logprobs
 
 
 @torch.no_grad()
-def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False,
-             shortcuts=Shortcuts()):
-    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed
-    back through a KV cache (`synced`: ZeRO-3's, every process steps alike). States kept for
-    scoring need the last token fed too."""
-    # not logits_to_keep=1: a slice made the head a batched matmul
-    last = torch.tensor([-1], device=queries.device)
-    # shortcut: the prompts' common prefix runs once (speed.py, checked at start-up)
-    if shortcuts.shared_prefix:
-        out, attention_mask, position_ids = prefill_shared_prefix(policy, queries, pad_token_id, model_inputs)
-    else:
-        inputs = model_inputs(queries, pad_token_id)
-        out = policy(**inputs, use_cache=True, logits_to_keep=last)
-        attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
-    # shortcut: on CUDA, the next-token forward replays CUDA graphs over a static KV cache
-    # (speed.py, checked)
-    static_step = shortcuts.static.start(policy, out.past_key_values, attention_mask, position_ids,
-                                         args.response_length) if shortcuts.static is not None else None
-    logits, tokens, logprobs = out.logits[:, -1], [], []
+def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=None, synced=False):
+    """(responses, log-probs): up to --response-length steps of `sample_next`, each token fed back
+    through the KV cache, the last too (its states: `keep_trunk`); `synced` (ZeRO-3): all step alike."""
+    inputs = model_inputs(queries, pad_token_id)
+    # the LM head on the last position only (a tensor index: a slice made it a batched matmul)
+    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1], device=queries.device))
+    attention_mask, position_ids = inputs["attention_mask"], inputs["position_ids"][:, -1:]
     finished = torch.zeros(queries.size(0), dtype=torch.bool, device=queries.device)
-    # read once the next forward is queued: the GPU never waits for the host
-    done_flag = HostFlag(queries.device)
-    for step in range(args.response_length):
-        token, logprob, finished, done = sample_next(logits, args, pad_token_id, generator, finished,
+    tokens, logprobs = [], []
+    for _ in range(args.response_length):
+        token, logprob, finished, done = sample_next(out.logits[:, -1], args, pad_token_id, generator, finished,
                                                      stop_token_id, synced)
         tokens.append(token)
         logprobs.append(logprob)
-        final = step == args.response_length - 1
-        if final and not shortcuts.keep:
-            break
-        if stop_token_id is not None:
-            done_flag.send(done)
-        if static_step is not None:
-            logits = static_step(token)
-        else:
-            out, attention_mask, position_ids = next_token_forward(policy, token, out, attention_mask, position_ids)
-            logits = out.logits[:, -1]
-        if final or stop_token_id is not None and done_flag.read():
+        attention_mask, position_ids = F.pad(attention_mask, (0, 1), value=1), position_ids + 1
+        out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=out.past_key_values, use_cache=True)
+        if stop_token_id is not None and bool(done):
             break
     return torch.cat(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -683,27 +654,16 @@ def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, 
     return token, logprobs_from_logits(logits, token.squeeze(-1)), finished, done
 
 
-def next_token_forward(policy, token, out, attention_mask, position_ids):
-    """One token through the dynamic KV cache of `out`: (the output, the attention mask and
-    position ids grown)."""
-    attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
-    position_ids = position_ids + 1
-    out = policy(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=out.past_key_values, use_cache=True)
-    return out, attention_mask, position_ids
-
-
 # ---- Phase 2: the scoring forwards ---------------------------------------------------------------
 def reference_and_values(models: Models, query_responses: torch.Tensor, response_ids: torch.Tensor,
-                         context_length: int, args: Args, pad_token_id: int, shortcuts: Shortcuts, with_values=True):
+                         context_length: int, args: Args, pad_token_id: int, with_values=True):
     """The no-grad forwards in chunks: reference log-probs, values (or None), no exact KL
     (TL;DR's k1 and k3)."""
     chunk, ref_logprobs, values = args.local_rollout_forward_batch_size, [], []
     for i in range(0, query_responses.size(0), chunk):
         qr = query_responses[i:i + chunk]
         ref_logprobs.append(response_logprobs(models.ref_policy, qr, pad_token_id, context_length,
-                                              response_ids[i:i + chunk], args.temperature,
-                                              fused_head=shortcuts.fused_head)[0])
+                                              response_ids[i:i + chunk], args.temperature)[0])
         if with_values:
             values.append(value_forward(models.value_model, qr, pad_token_id, context_length))
     return torch.cat(ref_logprobs), torch.cat(values) if with_values else None, None
@@ -716,52 +676,30 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
                 position_ids=attention_mask.cumsum(1) - attention_mask.long())
 
 
-def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
-    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
-    blocks above the n frozen ones alone, from their output (speed.py's `blocks_only`)."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
-
-
-def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
-    """(logits that predict each response token: positions context_length-1 .. -2, the final
-    hidden states or None). The LM head runs only there."""
+def policy_logits(policy, query_responses, pad_token_id, context_length):
+    """Logits that predict each response token: positions context_length-1 .. -2. The LM head
+    runs only there."""
     response_length = query_responses.size(1) - context_length
-    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
-    with blocks:
-        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
-    return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
+    out = policy(**model_inputs(query_responses, pad_token_id), logits_to_keep=response_length + 1, use_cache=False)
+    return out.logits[:, :-1]
 
 
-def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
+def final_hidden_states(model, query_responses, pad_token_id):
     """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied
     by callers)."""
-    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
+    return model.base_model(**model_inputs(query_responses, pad_token_id), use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
-                      with_entropy=False, trunk=None, fused_head=False, with_hidden=False):
-    """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under
-    the sampling distribution."""
-    # shortcut: from the hidden states, a vocabulary block at a time (speed.py: values, gradients
-    # checked)
-    if fused_head:
-        hidden = final_hidden_states(policy, query_responses, pad_token_id, trunk)
-        logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1], policy.get_output_embeddings().weight,
-                                          response_ids, temperature, pad_token_id, with_entropy)
-        return logprobs, entropy, hidden
-    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
-    logits = scale_logits(logits, temperature, pad_token_id)
+                      with_entropy=False):
+    """(log-probs of `response_ids`, entropies or empty) under the sampling distribution."""
+    logits = scale_logits(policy_logits(policy, query_responses, pad_token_id, context_length), temperature,
+                          pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab)
     # tensor is kept
     entropy = (checkpoint(entropy_from_logits, logits, use_reentrant=False) if with_entropy
                else logits.new_zeros(0))
-    return logprobs_from_logits(logits, response_ids), entropy, hidden
+    return logprobs_from_logits(logits, response_ids), entropy
 
 
 def score_bias(config) -> float:
@@ -822,13 +760,13 @@ class Rollout(NamedTuple):
     contain_eos_token: torch.Tensor
 
 
-def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, fused_head: bool = False):
+def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int):
     """Phase 6 on some rows of the rollout: the training forward, the clipped policy and value
     losses, their sum (loss, stats). Compiled whole on CUDA (--compile): nothing in here may read
     a tensor on the host."""
     context_length = r.query_responses.size(1) - r.responses.size(1)
     new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
-                                         r.response_ids[rows], args.temperature, fused_head)
+                                         r.response_ids[rows], args.temperature)
     padding_mask, padding_mask_p1 = r.padding_mask[rows], r.padding_mask_p1[rows]
     new_logprobs = new_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
     vpred = vpred.masked_fill(padding_mask_p1, 0)
@@ -852,10 +790,10 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, fused_head=False):
+    def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature):
         """(log-probs, entropies, values) of the responses."""
-        logprobs, entropy, _ = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
-                                                 response_ids, temperature, with_entropy=True, fused_head=fused_head)
+        logprobs, entropy = response_logprobs(self.policy, query_responses, pad_token_id, context_length,
+                                              response_ids, temperature, with_entropy=True)
         return logprobs, entropy, value_forward(self.value_model, query_responses, pad_token_id, context_length)
 
 
@@ -896,8 +834,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     generator = torch.Generator(device=accelerator.device).manual_seed(args.seed + update)
     eval_args, chunk = replace(args, temperature=EVAL_TEMPERATURE), args.local_rollout_forward_batch_size
     with torch.no_grad(), accelerator.autocast():
-        responses, _, _ = sample_responses(accelerator, models.model, eval_queries, eval_args, setup.zero3,
-                                           pad_token_id, setup.stop_token_id, models.shortcuts, generator)
+        responses, _ = sample_responses(accelerator, models.sampler, eval_queries, eval_args, setup.zero3,
+                                        pad_token_id, setup.stop_token_id, generator)
         scores = score_responses(models.reward_model, eval_queries, responses, pad_token_id, chunk)
     columns = zip(held_out["query"], [tokenizer.decode(ids) for ids in held_out["reference_ids"]], responses,
                   scores.tolist())
@@ -1094,9 +1032,12 @@ class Models:
     ref_policy: nn.Module
     value_model: nn.Module
     reward_model: nn.Module
-    shortcuts: Shortcuts  # the speed layer's shortcuts its checks accepted (the banner says which)
     # the held-out references' mean score, the same at every validation: scored once
     reference_score: float
+    notes: list  # the banner's lines on the sampler and the training step
+    # what `sample_responses` samples with: the prepared model, or (main) a `StaticSampler` around
+    # its policy
+    sampler: object = None
 
     def named(self) -> dict:
         """Each model by its name in the banner."""
@@ -1124,8 +1065,6 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         disable_dropout(m)  # N+ detail 7
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
-    # the fused head, checked against this page's forwards as they are (ppo_harness/speed.py)
-    shortcuts = check_forwards(sys.modules[__name__], args, setup, policy, value_model, None, setup.compiled)
     model = PolicyAndValueWrapper(policy, value_model)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
@@ -1144,10 +1083,11 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         dtype = next(accelerator.unwrap_model(model).parameters()).dtype
         for m in (ref_policy, reward_model):
             m.to(dtype)
-    # sampling's shortcuts, checked on the prepared policy, in the run's precision
-    shortcuts = check_sampling(sys.modules[__name__], args, accelerator, setup, policy, None, shortcuts)
-    return Models(model, optimizer, policy, ref_policy, value_model, reward_model, shortcuts,
-                  reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size))
+    training_step = f"training step: {'compiled (torch.compile, fullgraph)' if setup.compiled else 'eager'} " \
+                    f"(--compile {args.compile})"
+    return Models(model, optimizer, policy, ref_policy, value_model, reward_model,
+                  reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size),
+                  [training_step], sampler=model)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:

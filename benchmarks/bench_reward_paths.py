@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ppo  # noqa: E402
 from ppo_harness import tokenizers  # noqa: E402
+from ppo_harness.prompt_files import encode_prompts  # noqa: E402
 
 MODEL, BATCH, RESPONSE, REPEATS = "cache/SmolLM2-135M-Instruct.Q4_1", 64, 24, 5
 
@@ -41,7 +42,7 @@ def main():
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
     prompts = [json.loads(line)["prompt"] for line in open(ppo.DEFAULT_PROMPTS)][:BATCH]
-    queries = ppo.left_pad(ppo.encode_prompts(tokenizer, prompts), pad)
+    queries = ppo.left_pad(encode_prompts(tokenizer, prompts), pad)
     responses = torch.randint(100, 10000, (BATCH, RESPONSE))
     rm = AutoModelForSequenceClassification.from_pretrained(MODEL, num_labels=1).eval()
     rm_tokenizer = tokenizers.prepare_reward_tokenizer(AutoTokenizer.from_pretrained(MODEL), MODEL, chat=True)

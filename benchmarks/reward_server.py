@@ -6,7 +6,7 @@
 It answers ppo.py's POST (a JSON object with the keywords a reward function gets: prompts, completions, ...) with
 {"rewards": [one score per row]}. It reads each row as ppo.py reads a reward model with its own tokenizer: chat
 completions as an assistant turn rendered by the reward model's chat template (continuing a final assistant prefix),
-text as prompt + completion (TRL's GRPOTrainer), its score at the last real token (`ppo.text_reward_scores`). Standard
+text as prompt + completion (TRL's GRPOTrainer), its score at the last real token (`ppo_harness.reward_models.text_reward_scores`). Standard
 library only, besides ppo.py's own requirements; GET answers "ok" once the model is loaded.
 """
 import argparse
@@ -20,8 +20,9 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import ppo  # noqa: E402
 from ppo_harness import tokenizers  # noqa: E402
+from ppo_harness.prompt_files import as_messages  # noqa: E402
+from ppo_harness.reward_models import text_reward_scores  # noqa: E402
 
 
 def rendered(tokenizer, prompts: list, completions: list) -> list[str]:
@@ -29,7 +30,7 @@ def rendered(tokenizer, prompts: list, completions: list) -> list[str]:
     if not isinstance(completions[0], list):
         return [p + c for p, c in zip(prompts, completions)]
     # a completion already holds the prompt's final assistant prefix: it replaces that message
-    messages = [ppo.as_messages(p) for p in prompts]
+    messages = [as_messages(p) for p in prompts]
     return [tokenizer.apply_chat_template(m[:-1] + c if m[-1]["role"] == "assistant" else m + c, tokenize=False)
             for m, c in zip(messages, completions)]
 
@@ -50,7 +51,7 @@ class Scorer:
         tokenizer = tokenizers.prepare_reward_tokenizer(self.tokenizer, self.path, chat)
         texts = rendered(tokenizer, request["prompts"], request["completions"])
         with self.lock, torch.no_grad():
-            return torch.cat([ppo.text_reward_scores(self.model, tokenizer, texts[i:i + self.batch_size],
+            return torch.cat([text_reward_scores(self.model, tokenizer, texts[i:i + self.batch_size],
                                                      self.max_length, not chat, self.device)
                               for i in range(0, len(texts), self.batch_size)]).tolist()
 

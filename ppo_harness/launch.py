@@ -150,3 +150,13 @@ def gather_once(index: list[int], rows: list) -> list:
     rows another holds, the first process's is kept. Every process gets the same list."""
     held = gather_object(list(zip(index, rows)))
     return [row for _, row in sorted(dict(reversed(held)).items())]
+
+
+def summed_over_processes(accelerator, sums: dict, counts: dict) -> tuple[dict, dict]:
+    """Each key's sums (float64 tensors of any shape) and count summed over all processes, in one gather:
+    (the summed tensors, the summed counts), by key."""
+    flat = torch.cat([torch.cat([v.reshape(-1).cpu() for v in sums.values()]),
+                      torch.tensor(list(counts.values()))])
+    flat = accelerator.gather(flat.to(accelerator.device).unsqueeze(0)).sum(0).cpu()
+    sizes = [v.numel() for v in sums.values()]
+    return dict(zip(sums, flat[:sum(sizes)].split(sizes))), dict(zip(counts, flat[sum(sizes):].tolist()))

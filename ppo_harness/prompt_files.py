@@ -14,12 +14,14 @@ from ppo_harness.writes import temporary_name
 DEFAULT_PROMPTS = "cache/movie_review_prompts_v3.jsonl"
 
 
-def load_prompt_dataset(name: str, config: str | None, split: str, flag: str = "--dataset-name") -> Dataset:
+def load_prompt_dataset(name: str, config: str | None, split: str,
+                        flag: str = "--dataset-name") -> Dataset:
     """A hub id, a directory written by `save_to_disk`, a dataset directory, or a
     json/jsonl/parquet/csv file (one split: `split` is not read); errors name `flag`."""
     path = Path(name)
     if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet",
+                ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"{flag} {name}: unsupported file type {path.suffix!r} (json, "
                              "jsonl, parquet, csv)")
@@ -33,7 +35,8 @@ def load_prompt_dataset(name: str, config: str | None, split: str, flag: str = "
         # datasets' DatasetGenerationError keeps the cause in a chained exception
         except Exception as error:
             raise ValueError(f"{flag} {name}: {error.__cause__ or error}") from error
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+    if path.is_dir() and ((path / "dataset_info.json").exists()
+                          or (path / "dataset_dict.json").exists()):
         ds = load_from_disk(str(path))
         if isinstance(ds, DatasetDict):
             if split not in ds:
@@ -87,7 +90,8 @@ def check_text_columns(dataset: Dataset, source: str, columns: tuple[str, ...]) 
     if missing:
         raise ValueError(f"{source}: columns {missing} are missing (has {dataset.column_names})")
     for column in columns:  # a null or a number would fail deep in the tokenizer, naming nothing
-        row = next((i for i, value in enumerate(dataset[column]) if not isinstance(value, str)), None)
+        row = next((i for i, value in enumerate(dataset[column]) if not isinstance(value, str)),
+                   None)
         if row is not None:
             raise ValueError(f"{source}: row {row}'s {column} is "
                              f"{dataset[row][column]!r:.60}, not text")
@@ -133,10 +137,11 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
 
     print(f"building {path} from the vaderSentiment sdist (once)")
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "vaderSentiment==3.3.2", "-d", tmp], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                        ":all:", "vaderSentiment==3.3.2", "-d", tmp], check=True)
         with tarfile.open(next(Path(tmp).glob("vaderSentiment-*.tar.gz"))) as sdist:
-            inner = sdist.extractfile(next(m for m in sdist.getmembers() if m.name.endswith("hutto_ICWSM_2014.tar.gz")))
+            inner = sdist.extractfile(next(m for m in sdist.getmembers()
+                                           if m.name.endswith("hutto_ICWSM_2014.tar.gz")))
             with tarfile.open(fileobj=io.BytesIO(inner.read())) as resources:
                 member = next(m for m in resources.getmembers()
                               if m.name.endswith("movieReviewSnippets_GroundTruth.txt"))
@@ -148,7 +153,61 @@ def build_movie_review_prompts(path: str, num_words: int = 8) -> None:
             words = line.strip().split("\t")[-1].split()
             if len(words) > num_words:
                 # a prefix to continue
-                prompt = [{"role": "system", "content": ""}, {"role": "user", "content": "Continue this movie review."},
+                prompt = [{"role": "system", "content": ""},
+                          {"role": "user", "content": "Continue this movie review."},
                           {"role": "assistant", "content": " ".join(words[:num_words])}]
                 f.write(json.dumps({"prompt": prompt}) + "\n")
     os.replace(tmp_path, path)
+
+
+# ---- The prompts as token ids: text as it is, or chat messages through the chat template ---------
+def tokenize_prompts(accelerator, dataset: Dataset, source: str, tokenizer, chat: bool, args,
+                     model_config) -> Dataset:
+    """`input_ids`, tokenised by the first process (the others read its cache); an empty or too
+    long prompt refused."""
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        dataset = dataset.map(
+            lambda batch: {"input_ids": encode_prompts(tokenizer, batch[args.dataset_prompt_column],
+                                                       chat)},
+            batched=True)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    if min(lengths) == 0:
+        raise ValueError(f"{source}: a prompt tokenises to zero tokens")
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if max_positions is not None and max(lengths) + args.response_length > max_positions:
+        raise ValueError(f"{source}: the longest prompt ({max(lengths)} tokens) plus "
+                         f"--response-length {args.response_length} exceeds the model's "
+                         f"{max_positions} positions: shorten prompts or responses")
+    return dataset
+
+
+def encode_prompts(tokenizer, prompts: list, chat: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt: text as it is, or messages rendered by the chat template
+    (generation prompt)."""
+    if not (isinstance(prompts[0], list) if chat is None else chat):
+        return tokenizer(prompts)["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("the prompts are chat messages, but the policy's tokenizer has no chat "
+                         "template (a base model: give a text prompt column, or a tokenizer "
+                         "with a chat template)")
+    prompts = [as_messages(p) for p in prompts]
+    for messages in prompts:
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"a prompt is a list but not of {{'role', 'content'}} "
+                             f"messages: {messages!r:.200}")
+        roles = {m.get("role") for m in messages}
+        if not roles <= {"system", "user", "assistant", "tool"}:
+            raise ValueError(f"a prompt has an unknown role: {sorted(roles, key=str)} (known: "
+                             "system, user, assistant, tool)")
+    # a final assistant message is a prefix the policy continues, not a turn it answers (TRL 1.12
+    # starts a new turn)
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=m[-1]["role"] != "assistant",
+                                           continue_final_message=m[-1]["role"] == "assistant",
+                                           tokenize=False)
+             for m in prompts]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def as_messages(prompt) -> list[dict]:
+    """A prompt as chat messages: a text prompt becomes one user turn."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]

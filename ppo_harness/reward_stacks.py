@@ -18,7 +18,7 @@ class OpenRLHFReward:
     `label_key` column (None: the `label` column, else "" as OpenRLHF without --label_key). The
     reply: scores, or a dict of `rewards` (else `scores`) and `extra_logs` (each logged as a metric,
     its mean over the rows)."""
-    rendered = True  # `function_scores` passes it OpenRLHF's texts
+    rendered = True  # `reward_components` passes it OpenRLHF's texts
 
     def __init__(self, fn: Callable, label_key: str | None, spec: str):
         self.fn, self.label_key, self.spec = fn, label_key or "label", spec
@@ -36,15 +36,18 @@ class OpenRLHFReward:
         return out.tolist() if isinstance(out, (torch.Tensor, np.ndarray)) else out
 
 
-def openrlhf_texts(tokenizer, prompts: list, prompt_ids: list, chat: bool, responses: torch.Tensor) -> dict:
+def openrlhf_texts(tokenizer, prompts: list, prompt_ids: list, chat: bool,
+                   responses: torch.Tensor) -> dict:
     """OpenRLHF's `prompts` and `queries` (its PromptDataset and experience maker): a text prompt as
     it is, a chat prompt as its template renders it (the template's special tokens kept); the prompt
     tokenised without the tokenizer's own special tokens (a BOS: OpenRLHF passes
     add_special_tokens=False), then with the response decoded with special tokens kept, padding
     removed."""
-    ids = [list(i) for i in prompt_ids] if chat else tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    return dict(rendered_prompts=[tokenizer.decode(i) for i in ids] if chat else list(prompts), queries=[
-        tokenizer.decode(i + r[r != tokenizer.pad_token_id].tolist()) for i, r in zip(ids, responses)])
+    ids = ([list(i) for i in prompt_ids] if chat
+           else tokenizer(list(prompts), add_special_tokens=False)["input_ids"])
+    return dict(rendered_prompts=[tokenizer.decode(i) for i in ids] if chat else list(prompts),
+                queries=[tokenizer.decode(i + r[r != tokenizer.pad_token_id].tolist())
+                         for i, r in zip(ids, responses)])
 
 
 def check_label_key(label_key: str | None, columns: list[str], source: str) -> None:
@@ -78,9 +81,9 @@ class VerlComputeScore:
                 text = completion if isinstance(completion, str) else completion[0]["content"]
                 extra_info = {**(columns.get("extra_info", [None] * n)[i] or {}), "num_turns": 2,
                               "rollout_reward_scores": {}}
+                reward_model = columns.get("reward_model", [None] * n)[i] or {}
                 row = dict(data_source=columns.get("data_source", [None] * n)[i], solution_str=text,
-                           ground_truth=(columns.get("reward_model", [None] * n)[i] or {}).get("ground_truth"),
-                           extra_info=extra_info)
+                           ground_truth=reward_model.get("ground_truth"), extra_info=extra_info)
                 outs.append(self.fn(**{k: v for k, v in row.items() if k in self.params}))
         except BaseException:  # the rows' coroutines started before it will not be awaited
             for out in outs:

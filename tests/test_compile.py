@@ -19,6 +19,7 @@ import ppo
 import ppo_tldr
 from conftest import assert_same_run, run_ppo, tiny_args
 from ppo_harness import speed
+from ppo_harness.trunk import frozen_trunk
 
 PAD, CONTEXT, RESPONSE = 31, 5, 6
 
@@ -113,7 +114,7 @@ def test_the_compiled_training_step_gives_the_eager_steps_loss_and_gradients(lla
         r = ppo_tldr.Rollout(**{k: v for k, v in r._asdict().items() if k in ppo_tldr.Rollout._fields})
     if num_frozen is not None:
         with torch.no_grad():
-            trunk = speed.frozen_trunk(model.policy, r.query_responses, PAD, num_frozen, ppo.model_inputs)
+            trunk = frozen_trunk(model.policy, r.query_responses, PAD, num_frozen, ppo.model_inputs)
         r = r._replace(trunks={"policy": (trunk, num_frozen)})
     autocast = kind.startswith("bf16")
     eager = step(script.ppo_loss, model, r, args, autocast)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
-from ppo_harness import speed
+from ppo_harness.trunk import adapter_free_trunk, frozen_trunk
 from ppo_harness.saved_models import VALUE_HEAD_FILE, load_value_head
 from conftest import REWARD_FN, build_models, run_ppo, tiny_args, without_wall_clock
 
@@ -84,13 +84,13 @@ def test_gradient_checkpointing_recomputes_blocks_and_keeps_gradients(llama, spl
         model = ppo.PolicyAndValueWrapper(policy, value_head=head).train()  # PPO's training forwards: train mode
         qr = ppo.left_pad(QR, PAD)
         with torch.no_grad():
-            trunks = {"policy": (speed.frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs), 1)} if split else {}
+            trunks = {"policy": (frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs), 1)} if split else {}
         calls = []
         # count runs of the top block's MLP forward itself: module hooks do not fire in the recomputation
         mlp = ppo.transformer_blocks(policy)[1][1].mlp
         mlp.forward = lambda *a, forward=mlp.forward, **k: (calls.append(1), forward(*a, **k))[1]
         ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
-        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, trunks, fused_head=True)  # the fused head, as in training
+        logprobs, _, values = model(qr, PAD, 2, ids, 0.7, trunks)
         loss = logprobs.mean() + values.square().mean()
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -239,7 +239,7 @@ def test_an_adapter_in_the_frozen_trunk_keeps_full_forwards(llama, assets, tmp_p
         for n, p in peft_model.named_parameters():
             if "ia3_l" in n or "modules_to_save" in n:
                 p.add_(torch.randn_like(p) * 2)
-    assert not speed.adapter_free_trunk(peft_model, 1)
+    assert not adapter_free_trunk(peft_model, 1)
     peft_model.save_pretrained(tmp_path / "sft")
     rows = {layers: run_ppo(tiny_args({**assets, "sft": tmp_path / "sft"}, *ONE_STEP, "--use-peft",
                                       "--num-trainable-layers", layers), tmp_path / layers)[1]
@@ -251,7 +251,7 @@ def test_an_adapter_in_the_frozen_trunk_keeps_full_forwards(llama, assets, tmp_p
 def test_a_fresh_adapter_on_the_top_blocks_keeps_the_trunk_shared(llama):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(llama["sft"]),
                            random_adapter(0, layers_to_transform=[1]))
-    assert speed.adapter_free_trunk(model, 1) and not speed.adapter_free_trunk(model, 2)
+    assert adapter_free_trunk(model, 1) and not adapter_free_trunk(model, 2)
 
 
 def test_a_loaded_adapter_trains_without_dropout(llama, assets, tmp_path):

@@ -6,16 +6,17 @@ import math
 import os
 import pathlib
 import re
-import shutil
 import types
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
+from ppo_harness.reward_fns import load_reward_fn
 from ppo_harness import speed
+from ppo_harness.trunk import check_trunks, frozen_trunk, trunk_is_exact
 from ppo_harness.reward_calls import call_reward_fn, reward_fn_kwargs
 from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer, run_ppo,
                       tiny_args, without_wall_clock, write_config_dataset)
@@ -310,60 +311,6 @@ def test_generate_logprobs_match_a_full_forward(tiny):
     torch.testing.assert_close(logprobs, ppo.logprobs_from_logits(logits, responses), atol=1e-5, rtol=0)
 
 
-def shift_first_block(policy, where):
-    """A hook that shifts the first block's output in the forwards `where(hidden)` picks, by a ramp over the features
-    (a constant, the next layer norm would take out); returns its handle."""
-    def shift(module, args, out):
-        hidden = out[0] if isinstance(out, tuple) else out
-        if where(hidden):
-            drift = torch.linspace(-0.1, 0.1, hidden.size(-1))
-            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
-    return ppo.transformer_blocks(policy)[1][0].register_forward_hook(shift)
-
-
-def plain_prefill(policy, queries):
-    """Sampling's plain first forward, as `generate` runs it: (output, attention mask, last position ids)."""
-    inputs = ppo.model_inputs(queries, PAD)
-    out = policy(**inputs, use_cache=True, logits_to_keep=torch.tensor([-1]))
-    return out, inputs["attention_mask"], inputs["position_ids"][:, -1:]
-
-
-def test_prefill_runs_a_shared_prefix_once_with_the_full_prefills_logits(tiny, monkeypatch):
-    """`prefill_shared_prefix` runs the tokens every row starts with once (one row), then each row's rest; its
-    next-token logits and positions are the plain prefill's, and so are the tokens `generate` samples after it. A row
-    that is all prefix keeps its last token; rows with nothing in common, or one row, take the plain path. The
-    start-up check accepts it, and refuses a model whose one-row forwards differ or whose cache cannot repeat rows."""
-    policy, _ = tiny
-    cases = {((3, 4, 5, 6), (3, 4, 5, 8, 9), (3, 4, 5, 6, 7, 1)): 3, ((3, 4, 5), (3, 4, 5, 6)): 2,
-             ((3, 4), (5, 4)): 0, ((3, 4, 5),): 0}  # rows -> the prefix run once
-    for rows, n in cases.items():
-        queries, shapes = ppo.left_pad([list(r) for r in rows], PAD), []
-        hook = policy.get_input_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape[:2]))
-        with torch.no_grad():
-            shared = speed.prefill_shared_prefix(policy, queries, PAD, ppo.model_inputs)
-            full = plain_prefill(policy, queries)
-        hook.remove()
-        assert tuple(shapes[0]) == ((1, n) if n else queries.shape)
-        torch.testing.assert_close(shared[0].logits, full[0].logits, rtol=1e-5, atol=1e-5)
-        assert torch.equal(shared[2], full[2])
-        sampled = [ppo.generate(policy, queries, PAD, sampling(6, 0.8), generator=torch.Generator().manual_seed(0),
-                                shortcuts=speed.Shortcuts(shared_prefix=share)) for share in (True, False)]
-        assert torch.equal(sampled[0][0], sampled[1][0])
-        torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=1e-5, atol=1e-5)
-    queries = ppo.left_pad([[3, 4, 5, 6], [3, 4, 5, 8, 9]], PAD)
-    assert speed.shared_prefix_is_exact(ppo, policy, queries, PAD)
-
-    hook = shift_first_block(policy, lambda hidden: hidden.size(0) == 1)  # one-row forwards come out shifted
-    assert not speed.shared_prefix_is_exact(ppo, policy, queries, PAD)
-    hook.remove()
-
-    def cannot_repeat(self, repeats):  # a linear-attention layer's cache has no batch_repeat_interleave
-        raise AttributeError("batch_repeat_interleave")
-
-    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", cannot_repeat)
-    assert not speed.shared_prefix_is_exact(ppo, policy, queries, PAD)
-
-
 def test_generate_stops_once_every_row_has_the_stop_token(tiny):
     policy, _ = tiny
     queries = ppo.left_pad([[3, 4], [5]], PAD)
@@ -454,9 +401,9 @@ def test_frozen_trunk_forwards_equal_full_forwards(tmp_path, arch):
     for model, forward in ((policy, lambda *a, trunk=None: ppo.policy_logits(*a, trunk=trunk)[0]),
                            (value, lambda *a, trunk=None: ppo.value_forward(*a, trunk=trunk))):
         ppo.freeze_bottom_layers(model, 1)
-        assert speed.trunk_is_exact(ppo, model, qr, PAD, 1)
+        assert trunk_is_exact(ppo, model, qr, PAD, 1)
         with torch.no_grad():
-            trunk = (speed.frozen_trunk(model, qr, PAD, 1, ppo.model_inputs), 1)
+            trunk = (frozen_trunk(model, qr, PAD, 1, ppo.model_inputs), 1)
             torch.testing.assert_close(forward(model, qr, PAD, 2, trunk=trunk), forward(model, qr, PAD, 2),
                                        rtol=1e-5, atol=1e-6)
             rows = torch.tensor([2, 0])  # a micro-batch reads its rows of the trunk
@@ -482,12 +429,11 @@ def copy_of_script(edit: str):
     return copy
 
 
-def test_an_edited_forward_is_followed_or_its_shortcut_refused_by_name(assets):
-    """The frozen trunk and the fused head are checked at start-up against the page's functions as a copier edited
-    them, on values and gradients. An edited `value_forward` (here doubled) is what the trunk path calls too, so it
-    is followed and the trunk kept; an edited `scale_logits` (a sharper temperature) is bypassed by the fused head,
-    and an edited `entropy_from_logits` whose values are the same but whose gradients are doubled too: the fused
-    head is refused by name, and the page's own lines run."""
+def test_an_edited_forward_is_followed_or_its_trunk_refused_by_name(assets):
+    """The frozen trunk is checked at start-up against the page's functions as a copier edited them, on values and
+    gradients. An edited `value_forward` (here doubled) is what the trunk path calls too, so it is followed and the
+    trunk kept; an edited `trunk_inputs` whose trunk path no longer gives the full forward's outputs is refused by
+    name on the banner's line, and that model runs full forwards."""
     policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
     ppo.freeze_bottom_layers(policy, 1)
     value = AutoModelForSequenceClassification.from_pretrained(assets["rm"])
@@ -495,25 +441,58 @@ def test_an_edited_forward_is_followed_or_its_shortcut_refused_by_name(assets):
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10]], PAD)
     doubled = copy_of_script("plain_value_forward = value_forward\n"
                              "def value_forward(*a, **k): return 2 * plain_value_forward(*a, **k)")
-    assert speed.trunk_is_exact(doubled, value, qr, PAD, 1)
+    assert trunk_is_exact(doubled, value, qr, PAD, 1)
     with torch.no_grad():
-        trunk = (speed.frozen_trunk(value, qr, PAD, 1, ppo.model_inputs), 1)
-        torch.testing.assert_close(doubled.value_forward(value, qr, PAD, 2, trunk=trunk),
+        split = (frozen_trunk(value, qr, PAD, 1, ppo.model_inputs), 1)
+        torch.testing.assert_close(doubled.value_forward(value, qr, PAD, 2, trunk=split),
                                    2 * ppo.value_forward(value, qr, PAD, 2))
-    assert speed.fused_head_is_exact(ppo, policy, qr, PAD, 0.7)
-    sharper = copy_of_script("plain_scale_logits = scale_logits\n"
-                             "def scale_logits(logits, t, pad): return plain_scale_logits(logits, t / 2, pad)")
-    same_values = copy_of_script("plain_entropy = entropy_from_logits\n"  # values as before, gradients doubled
-                                 "def entropy_from_logits(logits):\n"
-                                 "    e = plain_entropy(logits)\n"
-                                 "    return 2 * e - e.detach()")
-    for script in (sharper, same_values):
-        assert not speed.fused_head_is_exact(script, policy, qr, PAD, 0.7)
+    scaled = copy_of_script("plain_trunk_inputs = trunk_inputs\n"  # the trunk's states scaled on their way up
+                            "def trunk_inputs(model, qr, pad, trunk=None):\n"
+                            "    return plain_trunk_inputs(model, qr, pad, None if trunk is None else "
+                            "(1.5 * trunk[0], trunk[1]))")
     setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
                                   train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
-    args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, temperature=0.7)
-    checked = speed.check_forwards(same_values, args, setup, policy)
-    assert not checked.fused_head and checked.num_frozen == {"policy": 1} and "the fused LM head" in checked.notes
+    args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, shared_value_head=False)
+    num_frozen, shares, note = check_trunks(doubled, args, setup, policy, None, value)
+    assert num_frozen == {"policy": 1, "reference": 1, "value": 1} and shares == {"reference"}, (num_frozen, shares)
+    num_frozen, shares, note = check_trunks(scaled, args, setup, policy, None, value)
+    assert num_frozen == {} and shares == set()
+    assert note.endswith("full forwards for the policy's, the reference's, the value's (its split forward is not "
+                         "exact)"), note
+
+
+def test_the_reference_shares_the_policys_trunk_only_where_its_weights_are_the_policys(assets):
+    """The reference's log-probs come from the policy's trunk only where the start-up check found the reference's
+    own trunk the same (the SFT checkpoint loaded twice, a value model from it too); a reference loaded from
+    another checkpoint, as an edit may do, gets a trunk of its own, and its log-probs are its full forward's."""
+    policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
+    same = AutoModelForCausalLM.from_pretrained(assets["sft"]).eval().requires_grad_(False)
+    other = AutoModelForCausalLM.from_pretrained(assets["sft"]).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    value = AutoModelForSequenceClassification.from_pretrained(assets["sft"], num_labels=1)
+    for m in (policy, value):
+        ppo.freeze_bottom_layers(m, 1)
+    setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
+                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+    args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, shared_value_head=False)
+    assert check_trunks(ppo, args, setup, policy, same, value)[1] == {"reference", "value"}
+    num_frozen, shares, note = check_trunks(ppo, args, setup, policy, other, value)
+    assert num_frozen == {"policy": 1, "reference": 1, "value": 1} and shares == {"value"}
+    assert "reference 1 blocks," in note and "value 1 blocks (the policy's)" in note
+    models = types.SimpleNamespace(policy=policy, ref_policy=other, value_model=value, value_head=None,
+                                   num_frozen=num_frozen, shares_policy_trunk=shares)
+    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10]], PAD)
+    ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
+    run_args = dataclasses.replace(args, local_rollout_forward_batch_size=1)
+    with torch.no_grad():
+        trunks = ppo.frozen_trunks(models, qr, PAD, run_args)
+        ref_logprobs, values, _ = ppo.reference_and_values(models, qr, ids, 2, run_args, PAD, trunks)
+        torch.testing.assert_close(ref_logprobs, ppo.response_logprobs(other, qr, PAD, 2, ids, args.temperature)[0],
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(values, ppo.value_forward(value, qr, PAD, 2), rtol=1e-5, atol=1e-6)
+    assert trunks["value"] is trunks["policy"] and not torch.equal(trunks["reference"][0], trunks["policy"][0])
 
 
 @pytest.mark.parametrize("num_frozen", [1, 2])
@@ -529,7 +508,7 @@ def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
     with torch.no_grad():
-        trunk = (speed.frozen_trunk(model, qr, PAD, num_frozen, ppo.model_inputs), num_frozen)
+        trunk = (frozen_trunk(model, qr, PAD, num_frozen, ppo.model_inputs), num_frozen)
         torch.testing.assert_close(ppo.final_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
                                    rtol=1e-5, atol=1e-6)
     assert len(model.config.layer_types) == 3  # restored
@@ -541,79 +520,63 @@ def test_split_forward_is_refused_where_it_is_not_exact():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=31, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
     ppo.freeze_bottom_layers(gpt2, 1)
-    assert not speed.trunk_is_exact(ppo, gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
+    assert not trunk_is_exact(ppo, gpt2, ppo.left_pad([[3, 4, 5], [6, 7]], PAD), PAD, 1)
 
 
-def kept_while_sampling(policy, queries, shortcuts, length=6, stop=7, chunk=2):
-    """(query-responses, the states kept while `generate` sampled them in chunks, one chunk stopping at `stop`)."""
-    with torch.no_grad(), speed.keep_states(policy, shortcuts) as pieces:
-        chunks = [ppo.generate(policy, queries[i:i + chunk], PAD, sampling(length, 0.7), stop if i else None,
-                               torch.Generator().manual_seed(i), False, shortcuts)[0]
-                  for i in range(0, queries.size(0), chunk)]
-    responses = ppo.pad_right(chunks, PAD)
-    qr = torch.cat((queries, ppo.truncate_response(stop, PAD, responses)), 1)
-    return qr, pieces, speed.kept_states(pieces, queries != PAD, [c.size(1) for c in chunks], qr.size(1))
+def shift_first_block(policy, where):
+    """A hook that shifts the first block's output in the forwards `where(hidden)` picks, by a ramp over the features
+    (a constant, the next layer norm would take out); returns its handle."""
+    def shift(module, args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        if where(hidden):
+            drift = torch.linspace(-0.1, 0.1, hidden.size(-1))
+            return (hidden + drift, *out[1:]) if isinstance(out, tuple) else hidden + drift
+    return ppo.transformer_blocks(policy)[1][0].register_forward_hook(shift)
 
 
-@pytest.mark.parametrize("share_prefix", [False, True])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_states_kept_while_sampling_are_a_full_forwards(tmp_path, arch, share_prefix):
-    """The frozen blocks' output and the final hidden states that sampling computes anyway, kept a piece per
-    forward over two chunks of different widths, one stopping early, equal a full forward's at every real position,
-    also where each chunk's common prefix ran once; the values and log-probs read from them agree; the start-up
-    check accepts them, and refuses a cache that drifts."""
+def test_the_trunk_kept_while_sampling_is_a_full_forwards(tmp_path, arch):
+    """The frozen blocks' output that sampling computes anyway, kept a piece per forward by `keep_trunk` while
+    `sample_responses` samples two chunks of prompts (one stopping early at the stop token), equals the full
+    forward's at every real position of the padded rollout, and the log-probs read from it agree; no hook is left on
+    the policy afterwards. The start-up check accepts it, and refuses a cache that drifts."""
+    from accelerate import Accelerator
+
+    from ppo_harness.trunk import check_kept_trunk, keep_trunk
+
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
-    queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14], [3, 4, 16]], PAD)
-    shortcuts = speed.Shortcuts(num_frozen={"policy": 1}, keep=("trunk", "final"), shared_prefix=share_prefix)
-    qr, pieces, kept = kept_while_sampling(policy, queries, shortcuts)
-    assert [p.size(0) for p in pieces["trunk"]].count(1) == (2 if share_prefix else 0)  # the [3, 4] run once
-    real = qr != PAD
+    queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [8, 4, 13, 14], [3, 16]], PAD)
+    args = types.SimpleNamespace(response_length=6, temperature=0.7, local_rollout_forward_batch_size=2,
+                                 ds3_gather_for_generation=True)
+    accelerator = Accelerator(cpu=True)
+    wrapper = ppo.PolicyAndValueWrapper(policy)  # what `policy_for_generation` unwraps
+    with torch.no_grad(), keep_trunk(policy, 1) as kept:
+        responses, _ = ppo.sample_responses(accelerator, wrapper, queries, args, False, PAD, 7,
+                                            torch.Generator().manual_seed(0))
+    assert not policy._forward_hooks and not policy._forward_pre_hooks
+    assert not ppo.transformer_blocks(policy)[1][0]._forward_hooks
+    responses = ppo.pad_columns(responses, responses.size(1) + 1, PAD)  # as phase 1 pads them
+    qr = torch.cat((queries, responses), 1)
+    trunk, real = kept.trunk(qr.size(1)), qr != PAD
     with torch.no_grad():
-        full_trunk = speed.frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs)
-        torch.testing.assert_close(kept["trunk"][real], full_trunk[real], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(kept["final"][real], ppo.final_hidden_states(policy, qr, PAD)[real],
+        torch.testing.assert_close(trunk[0][real], frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs)[real],
                                    rtol=1e-5, atol=1e-5)
-        head = torch.nn.Linear(32, 1)
-        torch.testing.assert_close(ppo.value_forward(policy, qr, PAD, 5, head, kept["final"]),
-                                   ppo.value_forward(policy, qr, PAD, 5, head), rtol=1e-5, atol=1e-5)
-        ids = qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0)
+        ids = responses.masked_fill(responses == PAD, 0)
         full = ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7)[0]
-        torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, trunk=(kept["trunk"], 1))[0],
-                                   full, rtol=1e-5, atol=1e-5)
-    checks = lambda kept, full: [speed.kept_is_exact(ppo, policy, qr, PAD, 5, 0.7, kept, name, {"policy": 1}, full)  # noqa: E731
-                                 for name in ("trunk", "final")]
-    assert checks(kept, full) == [True, True]
+        torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, trunk=trunk)[0][real[:, 5:]],
+                                   full[real[:, 5:]], rtol=1e-5, atol=1e-5)
+    setup = types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_token_id=PAD), stop_token_id=7,
+                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [3, 4, 10]]}))
+    assert check_kept_trunk(ppo, args, setup, policy, 1)[0]
+    assert not check_kept_trunk(ppo, args, setup, policy, None)[0]
     hook = shift_first_block(policy, lambda hidden: hidden.size(1) == 1)  # a drifting cache: decoding steps shifted
-    qr, _, drifted = kept_while_sampling(policy, queries, shortcuts)
+    exact, note = check_kept_trunk(ppo, args, setup, policy, 1)
     hook.remove()
-    with torch.no_grad():
-        full = ppo.response_logprobs(policy, qr, PAD, 5, qr[:, 5:].masked_fill(qr[:, 5:] == PAD, 0), 0.7)[0]
-    assert checks(drifted, full) == [False, False]
-
-
-@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_fused_head_matches_the_models_own_head(tmp_path, arch):
-    """The fused LM-head path (ppo.py's default on the CPU) gives the log-probs, entropies and their gradients of the
-    model's own logits, left padding and a tied head (llama) included; a head with a bias keeps the unfused path."""
-    policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"])
-    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
-    ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
-    assert speed.fused_head_is_exact(ppo, policy, qr, PAD, 0.7)
-    results = []
-    for fused in (True, False):
-        policy.zero_grad()
-        lp, ent, _ = ppo.response_logprobs(policy, qr, PAD, 2, ids, 0.7, with_entropy=True, fused_head=fused)
-        (lp.sum() - 0.3 * ent.sum()).backward()  # an entropy bonus trains on both paths (it once did on neither)
-        results.append([lp.detach(), ent.detach()] + [p.grad.clone() for p in policy.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    head = policy.get_output_embeddings()
-    policy.set_output_embeddings(torch.nn.Linear(head.in_features, head.out_features, bias=True))
-    assert not speed.fused_head_is_exact(ppo, policy, qr, PAD, 0.7)
+    assert not exact and "differ from a full forward's" in note
 
 
 def test_vader_reward_is_sentiment_of_what_the_policy_wrote():
-    vader = ppo.load_reward_fn("vader")
+    vader = load_reward_fn("vader")
     good, bad, neutral = vader(prompts=["", "", ""], completions=["I love this movie, it was wonderful!",
                                                                   "This film was terrible and boring.", "w3 w4"])
     assert good > 0.5 and bad < -0.5 and neutral == 0.0
@@ -648,23 +611,23 @@ def test_load_prompt_dataset_from_files_dirs_and_configs(tmp_path):
 
 
 def test_reward_fn_loading_and_checks():
-    fn = ppo.load_reward_fn(REWARD_FN)
+    fn = load_reward_fn(REWARD_FN)
     kwargs = dict(prompts=["a", "b"], completions=["w7 w7", "w1 w7"], completion_ids=[[8, 8], [2, 8]])
     assert call_reward_fn(fn, kwargs, "cpu", REWARD_FN).tolist() == [1.0, 0.5]
-    assert ppo.load_reward_fn("math:fabs")(-2.0) == 2.0  # importable module form
+    assert load_reward_fn("math:fabs")(-2.0) == 2.0  # importable module form
     for spec, msg in [("nocolon", "expected"), ("tests/missing.py:f", "cannot import"),
                       ("no_such_module_xyz:f", "cannot import"), ("tests/rewards.py:absent", "no callable")]:
         with pytest.raises(ValueError, match=msg):
-            ppo.load_reward_fn(spec)
+            load_reward_fn(spec)
     # each error names the function and the keywords it was offered; the old positional signature is shown the new one
     offered = "called with the keywords prompts, completions, completion_ids, solution"
     for name, msg in [("wrong_length", "returned list .*expected a list of 2 numbers"),
                       ("not_finite", "non-finite score"), ("not_numbers", "returned '1.0' \\(str\\)"),
                       ("positional", "cannot take them .*def f\\(completions, \\*\\*kwargs\\)")]:
         with pytest.raises(ValueError, match=f"--reward-fn {name}, {offered},.*{msg}"):
-            call_reward_fn(ppo.load_reward_fn(f"tests/rewards.py:{name}"), {**kwargs, "solution": ["1", "2"]},
+            call_reward_fn(load_reward_fn(f"tests/rewards.py:{name}"), {**kwargs, "solution": ["1", "2"]},
                                "cpu", name)
-    scores = call_reward_fn(ppo.load_reward_fn("tests/rewards.py:judges_w7_only"), kwargs, "cpu", "judges")
+    scores = call_reward_fn(load_reward_fn("tests/rewards.py:judges_w7_only"), kwargs, "cpu", "judges")
     assert scores[0] == 1.0 and scores[1] == 0.5
     scores = call_reward_fn(lambda completions, **kw: [None, 2], kwargs, "cpu", "none")
     assert scores.isnan().tolist() == [True, False] and scores[1] == 2.0
@@ -828,31 +791,31 @@ def test_default_run_shortened(tmp_path):
     assert [s["update"] for s in samples] == [0, 0, 1, 1] and "held-out samples after update 1" in stdout
     assert samples[0]["prompt"].startswith("Continue this movie review. ")  # the user message and prefix, no template
     assert AutoModelForCausalLM.from_pretrained(run).config.model_type == "llama"
-    # every shortcut passes its start-up check on the default model (a refused fused head once went unseen)
+    # the frozen trunk passes its start-up check on the default model, and the reference shares it
     banner = " ".join(stdout.split())
-    assert "frozen trunks run once per update: policy 24 blocks; kept while sampling: trunk, final" in banner
-    assert "shortcuts: fused LM head on; shared prompt prefix on" in banner and "refused" not in banner
+    assert "frozen trunks run once per update: policy 24 blocks, reference 24 blocks (the policy's)" in banner
+    assert "kept while sampling: the policy's trunk" in banner
+    assert "full forwards" not in banner and "refused" not in banner
 
 
-@pytest.mark.parametrize("share_prefix, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, arch, share_prefix, precision):
+def test_static_cache_sampler_samples_what_the_dynamic_cache_samples(tmp_path, arch, precision):
     """The GPU sampler's logic, uncompiled on the CPU: transformers' StaticCache filled from the prefill, a chunk padded
     to a fixed number of rows and its cache to a fixed width, gives the dynamic cache's tokens from the same generator
     and log-probs within 1e-5, over chunks of different widths and rows, one stopping early; a cache reused by a
     later chunk of the same shape holds nothing of the earlier one. Under bf16 autocast too (log-probs within 1e-2),
     where RoPE leaves the keys in float32 and the values come in bf16 (the static cache stores both in its dtype)."""
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
-    static = speed.StaticSampler(rows=4, bucket=8, compile=False)
+    static = speed.StaticSampler(policy, rows=4, response_length=12, bucket=8, compile=False)
     chunks = [([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], None),
               ([[3, 4, 16], [8, 9, 10, 11, 12, 13, 14, 15, 16]], 7),  # a longer row: a wider cache
               ([[3, 4, 5, 6, 7], [3, 4, 11], [3, 4, 12, 14]], None)]
     for i, (rows, stop) in enumerate(chunks):
         queries = ppo.left_pad(rows, PAD)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            sampled = [ppo.generate(policy, queries, PAD, sampling(12, 0.7), stop, torch.Generator().manual_seed(i),
-                                    False, speed.Shortcuts(shared_prefix=share_prefix, static=s))
-                       for s in (static, None)]
+            sampled = [ppo.generate(sampler, queries, PAD, sampling(12, 0.7), stop, torch.Generator().manual_seed(i))
+                       for sampler in (static, policy)]
         assert torch.equal(sampled[0][0], sampled[1][0])  # bf16: its rounding differs (the cache's width) within 1e-2
         torch.testing.assert_close(sampled[0][1], sampled[1][1], rtol=0, atol=1e-5 if precision == "fp32" else 1e-2)
         if stop is not None:  # stopped early, or ran out of length
@@ -874,14 +837,13 @@ class ForgetfulSampler(speed.StaticSampler):
 
 
 def static_probe(sampler, policy, queries, args, agree=bool):
-    """The static sampler's start-up check as `check_sampling` runs it: the tokens the dynamic cache sampled, fed
+    """The static sampler's start-up check as `static_sampler` runs it: the tokens the dynamic cache sampled, fed
     through the sampler, against a full forward's log-probs (the dynamic cache's own error beside them)."""
     responses, logprobs = ppo.generate(policy, queries, PAD, args, None, torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = ppo.response_logprobs(policy, torch.cat((queries, responses), 1), PAD, queries.size(1), responses,
                                      args.temperature)[0]
-    return sampler.probe(ppo, policy, queries, PAD, args, responses, (logprobs - full).abs().max().item(), full,
-                         False, agree)
+    return sampler.probe(ppo, queries, PAD, args, responses, (logprobs - full).abs().max().item(), full, agree)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -895,22 +857,21 @@ def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch="llama")["sft"]).eval()
     queries, args = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [3, 4, 13, 14]], PAD), sampling(8, 0.7)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        static = speed.StaticSampler(4, bucket=8, compile=False, width=12)
+        static = speed.StaticSampler(policy, 4, 8, bucket=8, compile=False, width=12)
         accepted, note = static_probe(static, policy, queries, args)
         assert accepted and "on the same tokens" in note, note
         verdicts = []
-        refused, note = static_probe(speed.StaticSampler(4, bucket=8, compile=False), policy, queries, args,
+        refused, note = static_probe(speed.StaticSampler(policy, 4, 8, bucket=8, compile=False), policy, queries, args,
                                      agree=lambda ok: verdicts.append(ok))
         assert not refused and verdicts == [True] and note.startswith("dynamic KV cache (refused")
-        assert not static_probe(ForgetfulSampler(4, bucket=8, compile=False), policy, queries, args)[0]
+        assert not static_probe(ForgetfulSampler(policy, 4, 8, bucket=8, compile=False), policy, queries, args)[0]
         for rows in ([[3, 4]], [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]):  # 2 and 12 wide: the probe's cache
-            ppo.generate(policy, ppo.left_pad(rows, PAD), PAD, args, shortcuts=speed.Shortcuts(static=static))
+            ppo.generate(static, ppo.left_pad(rows, PAD), PAD, args)
     assert [key[:2] for key, _ in static.compilations] == [(4, 16 + 8)]
     sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=41, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                            num_key_value_heads=1, intermediate_size=64, use_sliding_window=True,
                                            sliding_window=2, max_window_layers=1)).eval()
-    accepted, note = speed.StaticSampler(4, compile=False).probe(ppo, sliding, queries, PAD, args, None, 0.0, None,
-                                                                 False)
+    accepted, note = speed.StaticSampler(sliding, 4, 8, compile=False).probe(ppo, queries, PAD, args, None, 0.0, None)
     assert not accepted and "sliding-window" in note
 
 

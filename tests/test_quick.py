@@ -1,6 +1,8 @@
 """The quick check after an edit (about two minutes a script on 2 CPU cores): each script, or an edited copy of
-it, trains short runs on tiny models. One through the speed layer and one with --no-fast-paths agree update by
-update (a copier's edited forward switches the shortcuts off, so the two still agree). A run of four updates
+it, trains short runs on tiny models. One through the README ledger's hand-written paths (ppo.py: the frozen trunk
+run once per update; ppo_tldr.py: the static-cache sampler, uncompiled) and one with --no-fast-paths agree update by
+update (a copier's edited forward that the trunk no longer matches is refused at start-up, so the two still agree).
+A run of four updates
 resumed from its second and from its third checkpoint gives the rest of the run again, its final model too (what
 the loop keeps across updates is in the checkpoint). At learning rate 0 the policy is the reference, so the ratio
 is 1 and the KL 0 (sampling's log-probs are training's: the rollout is on-policy).
@@ -35,18 +37,23 @@ def quick_args(request, assets, kind: str, updates: int = 2) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
-def test_a_short_run_trains_through_the_speed_layer_as_through_the_plain_forwards(request, assets, tmp_path, kind):
+def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwards(request, assets, tmp_path, kind):
     args = quick_args(request, assets, kind)
-    fast, fast_rows = run_ppo(args, tmp_path / "fast", script=SCRIPTS[kind])
+    ledger = ["--sampler", "static"] if kind == "tldr" else []  # TL;DR trains every block: no trunk
+    fast, fast_rows = run_ppo([*args, *ledger], tmp_path / "fast", script=SCRIPTS[kind])
     plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script=SCRIPTS[kind])
     assert len(fast_rows) == 2 and all(math.isfinite(v) for r in fast_rows for v in r.values()
                                        if isinstance(v, float))
-    assert (tmp_path / "fast" / "model.safetensors").exists() and "shortcuts: none (--no-fast-paths)" in plain.stdout
+    assert (tmp_path / "fast" / "model.safetensors").exists() and "sampler: dynamic KV cache" in plain.stdout
     assert_same_run(plain_rows, fast_rows, rel=1e-4)
-    if SCRIPTS[kind] == "ppo.py":  # unedited, every shortcut passes its start-up probe and runs (a copy's may not)
-        banner = " ".join(fast.stdout.split())
-        assert "frozen trunks run once per update: policy 1 blocks; kept while sampling: trunk, final" in banner
-        assert "fused LM head on; shared prompt prefix" in banner and "refused" not in banner
+    banner = " ".join(fast.stdout.split())
+    if SCRIPTS[kind] == "ppo.py":  # unedited, the trunk passes its start-up check and runs (a copy's may not)
+        assert "frozen trunks: none (--no-fast-paths)" in plain.stdout
+        assert "frozen trunks run once per update: policy 1 blocks, reference 1 blocks (the policy's)" in banner
+        assert "kept while sampling: the policy's trunk" in banner
+        assert "full forwards" not in banner
+    elif SCRIPTS[kind] == "ppo_tldr.py":
+        assert "sampler: static KV cache, uncompiled" in banner
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])

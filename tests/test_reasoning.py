@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ppo
+from ppo_harness.reward_calls import RewardComponents
 from conftest import run_ppo, without_wall_clock
 from conftest import tiny_args as args_for
 
@@ -252,7 +253,7 @@ def rollout(seed, rows=4, length=5):
                        padding_mask=mask, padding_mask_p1=mask_p1, logprobs=-t.abs(), ref_logprobs=-t.abs(),
                        values=t, kl=t.abs(), non_score_reward=-t.abs(), rewards=t, advantages=t, returns=2 * t,
                        scores=torch.randn(rows, generator=g), trained_scores=None, contain_eos_token=None,
-                       score_components=ppo.RewardComponents({}, None, torch.zeros(rows, dtype=torch.bool)),
+                       score_components=RewardComponents({}, None, torch.zeros(rows, dtype=torch.bool)),
                        dropped=torch.zeros(rows, dtype=torch.bool),
                        positive=torch.zeros(rows, length, dtype=torch.bool))
 

@@ -16,9 +16,8 @@ import torch
 
 import ppo
 from conftest import ROOT, TINY, free_port, launch, make_tokenizer, run_ppo
-from ppo_harness.reward_calls import call_reward_fn, function_scores
+from ppo_harness.reward_calls import RewardLogs, call_reward_fn, reward_components
 from ppo_harness.reward_fns import load_reward_fn
-from ppo_harness.reward_logs import RewardLogs
 from ppo_harness.reward_stacks import OpenRLHFReward, VerlComputeScore
 from test_rewards import chat  # noqa: F401 (the chat policy and its prompts)
 
@@ -109,10 +108,10 @@ def test_openrlhfs_protocol_sends_what_openrlhf_sends(openrlhf_server, rows_per_
     fn = load_reward_fn(openrlhf_server, 10.0, 0, "openrlhf", None, rows_per_request)
     record = SimpleNamespace(names=["remote"], model_paths=[], fn_specs=[openrlhf_server], fns=[fn],
                              policy_tokenizer=tokenizer, prompt_column="prompt", chat=False, max_steps=1,
-                             updates_per_epoch=1)
-    logs = RewardLogs(2)
-    assert function_scores(record, rows, responses, 0, logs)["remote"].tolist() == pytest.approx(scores)
-    assert logs.metrics["dummy_scores"] == [pytest.approx(sum(scores) / 2)]  # extra_logs joined over the requests
+                             updates_per_epoch=1, stop_unjudged=False)
+    components = reward_components(record, rows, responses, 0, {})
+    assert components["remote"].tolist() == pytest.approx(scores)
+    assert components.metrics["dummy_scores"] == [pytest.approx(sum(scores) / 2)]  # extra_logs joined over the requests
 
 
 def test_openrlhfs_labels_are_the_named_column_or_empty(assets, tmp_path):

@@ -10,6 +10,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GPT
                           GPTNeoXForSequenceClassification)
 
 import ppo
+from ppo_harness.prompt_files import encode_prompts
 from ppo_harness import tokenizers
 from conftest import REWARD_FN, TINY, WORDS, make_tokenizer, run_ppo
 
@@ -94,22 +95,22 @@ def test_chat_prompts_are_rendered_with_the_template():
     tok = chat_tokenizer()
     messages = [{"role": "user", "content": "w3 w4"}]
     expected = [31, 33, 4, 5, 32, 31, 34]  # <|im_start|> user w3 w4 <|im_end|> <|im_start|> assistant
-    assert ppo.encode_prompts(tok, [messages]) == [expected]  # auto: message lists use the template
-    assert ppo.encode_prompts(tok, ["w3 w4"]) == [[4, 5]]  # auto: text as it is
-    assert ppo.encode_prompts(tok, ["w3 w4"], chat=True) == [expected]  # true: text becomes one user turn
+    assert encode_prompts(tok, [messages]) == [expected]  # auto: message lists use the template
+    assert encode_prompts(tok, ["w3 w4"]) == [[4, 5]]  # auto: text as it is
+    assert encode_prompts(tok, ["w3 w4"], chat=True) == [expected]  # true: text becomes one user turn
     # a final assistant message is a prefix to continue: no end-of-turn after it, no new assistant turn
     prefix = messages + [{"role": "assistant", "content": "w5 w6"}]
-    assert ppo.encode_prompts(tok, [prefix]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7]]
-    assert ppo.encode_prompts(tok, [prefix, messages]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7], expected]  # per prompt
+    assert encode_prompts(tok, [prefix]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7]]
+    assert encode_prompts(tok, [prefix, messages]) == [[31, 33, 4, 5, 32, 31, 34, 6, 7], expected]  # per prompt
     assert tokenizers.is_chat([messages[0]], "auto") and tokenizers.is_chat("w3", "true") and not tokenizers.is_chat("w3", "auto")
     with pytest.raises(ValueError, match="--apply-chat-template false"):
         tokenizers.is_chat(messages, "false")
     with pytest.raises(ValueError, match="unknown role"):
-        ppo.encode_prompts(tok, [[{"role": "narrator", "content": "w3"}]])
+        encode_prompts(tok, [[{"role": "narrator", "content": "w3"}]])
     with pytest.raises(ValueError, match="not of {'role', 'content'} messages"):
-        ppo.encode_prompts(tok, [["w3", "w4"]])
+        encode_prompts(tok, [["w3", "w4"]])
     with pytest.raises(ValueError, match="no chat template"):
-        ppo.encode_prompts(make_tokenizer(pad=False), [messages])
+        encode_prompts(make_tokenizer(pad=False), [messages])
 
 
 def test_end_of_turn_token_is_derived_from_the_template():
@@ -165,7 +166,7 @@ def test_reward_model_texts_and_scores_match_plain_calls(chat):
     prompts = [[{"role": "user", "content": "w3 w4 w5"}], [{"role": "system", "content": "w1"},
                                                            {"role": "user", "content": "w9"}]]
     pad = 36
-    queries = ppo.left_pad(ppo.encode_prompts(tok, prompts), pad)
+    queries = ppo.left_pad(encode_prompts(tok, prompts), pad)
     responses = torch.tensor([[8, 9, 32, pad], [10, pad, pad, pad]])  # "w7 w8 <|im_end|>", "w9"
     texts = ppo.reward_model_texts(tok, rm_tok, prompts, queries, responses, chat=True)
     assert texts == ["[user] w3 w4 w5 [assistant] w7 w8 [end]", "[system] w1 [user] w9 [assistant] w9 [end]"]
@@ -180,7 +181,7 @@ def test_reward_model_texts_and_scores_match_plain_calls(chat):
         torch.testing.assert_close(short, torch.stack(last4), atol=1e-5, rtol=1e-5)
     # a final assistant prefix: the response continues that turn (a BPE response carries its own leading space)
     prefix = [[{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]]
-    queries = ppo.left_pad(ppo.encode_prompts(tok, prefix), pad)
+    queries = ppo.left_pad(encode_prompts(tok, prefix), pad)
     assert ppo.reward_model_texts(tok, rm_tok, prefix, queries, torch.tensor([[8, 9, 32]]), chat=True) == [
         "[user] w3 w4 [assistant] w5 w6 w7 w8 [end]"]
     # text prompts: prompt and response decoded together, no template

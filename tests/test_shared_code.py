@@ -19,12 +19,15 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "evaluate": "TL;DR's validation: the references scored too, eval tables, SFD's metric names",
     "kl_penalty": "k1 and k3 only, the estimators --kl-estimator allows there",
     "load_models": "TL;DR's four models, no peft, value head or frozen blocks",
-    "ppo_loss": "no frozen trunks, and no entropy bonus (TL;DR's loss is SFD's)",
+    "ppo_loss": "no frozen trunks, no entropy bonus and no reasoning flags (TL;DR's loss is SFD's)",
     "reference_and_values": "the reference is always its own model, no frozen trunk, and no exact KL (k1 and k3 only)",
     "reward_model_scores": "minus the score bias (N+ detail 14: the reference summaries score 0 on average)",
     "score_responses": "one reward model, on the policy's token ids",
     "set_up": "TL;DR's data, one tokenizer, no rewards to resolve",
     "value_forward": "minus the score bias the value model inherits from the reward model (N+ detail 18)",
+    "policy_logits": "no frozen trunk and no value head: TL;DR trains every block of a separate value model",
+    "final_hidden_states": "no frozen trunk (TL;DR trains every block), and no peft adapter to look through",
+    "response_logprobs": "no frozen trunk and no value head's hidden states to hand back",
 }
 SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
     "Models": "TL;DR's models are named without a record of rewards (`named`)",
@@ -32,7 +35,10 @@ SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.
     "PolicyAndValueWrapper": "no value head to take",
     "score_responses": "one reward model on the policy's token ids, not `Rewards` on the rollout's rows and step",
     "value_forward": "no `head` (TL;DR has no --shared-value-head), no frozen trunk",
-    "reference_and_values": "no frozen trunks or kept states: TL;DR trains every block",
+    "reference_and_values": "no frozen trunks: TL;DR trains every block",
+    "policy_logits": "no `trunk` or `with_hidden`: no frozen trunk, no value head",
+    "final_hidden_states": "no `trunk`: TL;DR trains every block",
+    "response_logprobs": "no `trunk` or `with_hidden`, and it returns (log-probs, entropies) alone",
 }
 
 

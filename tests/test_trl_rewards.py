@@ -20,9 +20,10 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
 import ppo
-from ppo_harness.reward_calls import call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.reward_fns import load_reward_fn
+from ppo_harness.prompt_files import encode_prompts
+from ppo_harness.reward_calls import RewardComponents, RewardLogs, call_reward_fn, call_reward_fns, reward_fn_kwargs
 from ppo_harness.preemption import Preemption, stop_asked
-from ppo_harness.reward_logs import RewardLogs
 from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 
@@ -79,7 +80,7 @@ def test_log_metric_is_averaged_over_processes():
     """Two processes' logged means (0.5 and 1.0) average to 0.75, as TRL's gather().mean(); a process that logged
     other names is refused rather than mixed up."""
     def components(metrics):
-        c = ppo.RewardComponents({"f": torch.tensor([1.0, 0.0])})
+        c = RewardComponents({"f": torch.tensor([1.0, 0.0])})
         c.metrics = metrics
         return c
 
@@ -177,7 +178,7 @@ def test_a_reward_file_that_fails_to_load_is_named(tmp_path):
         spec = f"{tmp_path / file}:f"
         with pytest.raises(ValueError, match=re.escape(f"--reward-fn {spec!r}: loading '{tmp_path / file}' raised "
                                                        f"{error}")):
-            ppo.load_reward_fn(spec)
+            load_reward_fn(spec)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def server():
 
 def test_served_reward_posts_the_keywords_and_reads_one_score_per_row(server):
     base, got = server
-    served = lambda path, retries=2: ppo.load_reward_fn(base + path, 0.2, retries)  # noqa: E731
+    served = lambda path, retries=2: load_reward_fn(base + path, 0.2, retries)  # noqa: E731
     kwargs = dict(prompts=["a", "b"], completions=["w7 w8", ""], completion_ids=[[8, 9], []], solution=["x", "y"],
                   trainer_state=TrainerState(global_step=2, max_steps=4, epoch=1.0), log_extra=print,
                   log_metric=print)
@@ -262,7 +263,7 @@ def test_a_signal_stops_the_retries_and_names_the_newest_checkpoint(server, tmp_
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "update-000003").mkdir(parents=True)
     (checkpoints / "latest").write_text("update-000003")
-    fn = ppo.load_reward_fn(base + "/slow", 0.2, 3)
+    fn = load_reward_fn(base + "/slow", 0.2, 3)
     kwargs = dict(prompts=["a"], completions=["w7"], completion_ids=[[8]], **RewardLogs(1).keywords())
     preemption = Preemption(checkpoints)
     try:
@@ -284,7 +285,7 @@ def test_openrlhfs_protocol_posted_to_a_server_of_ours_names_the_flag(server):
     """--reward-url-protocol openrlhf posts {"query", "prompts", "labels"}; a server that reads this script's keywords
     fails on it, and the error names the flag."""
     base, got = server
-    fn = ppo.load_reward_fn(base + "/ok", 0.2, 0, "openrlhf", "solution")
+    fn = load_reward_fn(base + "/ok", 0.2, 0, "openrlhf", "solution")
     kwargs = dict(queries=["a w7"], rendered_prompts=["a"], prompts=["a"], completions=["w7"], completion_ids=[[8]],
                   solution=["x"], **RewardLogs(1).keywords())
     with pytest.raises(RuntimeError, match=re.escape("(posted in OpenRLHF's protocol: --reward-url-protocol openrlhf)")):
@@ -301,7 +302,7 @@ def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
 
     tok = chat_tokenizer()
     prefix = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]
-    queries = ppo.left_pad(ppo.encode_prompts(tok, [prefix, prefix[:1]]), 36)
+    queries = ppo.left_pad(encode_prompts(tok, [prefix, prefix[:1]]), 36)
     answers = torch.tensor([[8, 9, 32], [8, 32, 36]])  # "w7 w8", "w7", each ending its turn
     completions = reward_fn_kwargs(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
                                        answers)["completions"]
