@@ -117,7 +117,7 @@ def static_sampler(script, args, accelerator, setup, models) -> "StaticSampler |
     policy, notes = models.policy, models.notes
     mode = args.sampler if args.sampler != "auto" else "compiled" if setup.compiled else "dynamic"
     if mode == "dynamic" or not args.fast_paths or setup.zero3:
-        refused = (" (refused under ZeRO-3: weights gathered per rollout)"
+        refused = (f" ({mode} refused under ZeRO-3: weights gathered per rollout)"
                    if setup.zero3 and mode != "dynamic" else "")
         notes.append(f"sampler: dynamic KV cache{refused}")
         return None
