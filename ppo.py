@@ -26,6 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from ppo_harness.fused_head import fused_head
 from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start, summed_over_processes
 from ppo_harness.models import (check_scalar_model, gathered_for_init, lora_config, model_files, outside_zero_init,
                                 policy_for_generation, reference_adapter, shard_frozen, transformer_blocks,
@@ -1589,6 +1590,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     num_frozen, shares, trunk_note = check_trunks(sys.modules[__name__], args, setup, policy, ref_policy,
                                                   value_model, value_head)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
+    # speed: training's log-probs straight from the hidden states, a block of the vocabulary at a
+    # time, where its probe equals the page's forward (README: the ledger)
+    model, head_note = fused_head(sys.modules[__name__], model, setup, args, setup.compiled)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
         ready_to_compile(model)
@@ -1612,7 +1616,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     training_step = f"training step: {'compiled (torch.compile, fullgraph)' if setup.compiled else 'eager'} " \
                     f"(--compile {args.compile})"
     return Models(model, optimizer, policy, ref_policy, value_model, value_head, num_frozen, shares,
-                  num_frozen.get("policy") if keep else None, [trunk_note, kept_note, training_step], sampler=model)
+                  num_frozen.get("policy") if keep else None, [trunk_note, kept_note, head_note, training_step], sampler=model)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:

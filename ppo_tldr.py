@@ -23,6 +23,7 @@ from datasets import Dataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from ppo_harness.fused_head import fused_head
 from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
@@ -1066,6 +1067,9 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
+    # speed: training's log-probs straight from the hidden states, a block of the vocabulary at a
+    # time, where its probe equals the page's forward (README: the ledger)
+    model, head_note = fused_head(sys.modules[__name__], model, setup, args, setup.compiled)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
         ready_to_compile(model)
@@ -1087,7 +1091,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
                     f"(--compile {args.compile})"
     return Models(model, optimizer, policy, ref_policy, value_model, reward_model,
                   reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size),
-                  [training_step], sampler=model)
+                  [head_note, training_step], sampler=model)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ppo
+from ppo_harness.fused_head import head_logprobs
 
 F64 = dict(rtol=1e-10, atol=1e-12)  # float64 helpers vs float64 loops
 F32 = dict(rtol=1e-5, atol=1e-6)  # helpers that compute in float32
@@ -336,6 +337,120 @@ def test_entropy_gradient_against_a_loop_with_dtype_min_logit(scale):
                          for j, x in enumerate(r)])
     assert torch.isfinite(logits.grad).all()
     assert_close(logits.grad, from_rows(expected, logits), tol=dict(rtol=1e-4, atol=1e-5 * scale))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# head_logprobs (the LM head over vocabulary blocks: log-softmax, gather, entropy, chunked; README: the ledger)
+# ------------------------------------------------------------------------------------------------------------------
+def naive_head_logits(h: list[float], weight: list[list[float]], temperature: float, pad: int) -> list[float]:
+    """One row of scale_logits(h @ W.T), with the pad column removed from the distribution (probability 0)."""
+    out = [sum(a * b for a, b in zip(h, w)) / (temperature + 1e-7) for w in weight]
+    return [(-math.inf if j == pad else x) for j, x in enumerate(out)]
+
+
+def naive_logp_and_entropy(logits: list[float], k: int) -> tuple[float, float]:
+    finite = [x for x in logits if x > -math.inf]
+    m = max(finite)
+    log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+    return logits[k] - log_z, -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
+
+
+HEAD_CASES = [  # (rows, hidden, vocab, pad, chunk_elements): chunk_elements // rows words per block
+    (5, 3, 7, 7, 7),  # pad outside the vocabulary, one word per block
+    (6, 4, 9, 2, 20),  # pad inside, 3 words per block
+    (4, 2, 5, 4, 10**6),  # pad the last column, the whole vocabulary in one block
+    (7, 3, 6, 0, 28),  # 4 words per block, the last block short
+    (5, 3, 7, 0, 5),  # the pad alone in the first block: the running sums start from a block with no word
+]
+
+
+@pytest.mark.parametrize("n, hidden, vocab, pad, chunk", HEAD_CASES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs(n, hidden, vocab, pad, chunk, temperature):
+    h, w = randn((n, hidden), seed=n, scale=2.0), randn((vocab, hidden), seed=vocab)
+    tokens = torch.randint(0, vocab, (n,), generator=gen(hidden))
+    tokens[tokens == pad] = (pad + 1) % vocab  # ppo.py never asks for the pad token
+    lp, ent = head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    expected = [naive_logp_and_entropy(naive_head_logits(hr, rows(w), temperature, pad), k)
+                for hr, k in zip(rows(h), tokens.tolist())]
+    assert_close(lp, [e[0] for e in expected])
+    assert_close(ent, [e[1] for e in expected])
+    lp_only, empty = head_logprobs(h, w, tokens, temperature, pad, chunk_elements=chunk)
+    assert_close(lp_only, lp) and empty.numel() == 0
+
+
+@pytest.mark.parametrize("n, hidden, vocab, pad, chunk", HEAD_CASES)
+@pytest.mark.parametrize("uses", ["logprobs", "entropy", "both"])
+def test_head_logprobs_gradients(n, hidden, vocab, pad, chunk, uses):
+    """Gradients of sum_i c_i logprob_i + e_i entropy_i against a loop: d logprob_i / d logit_ij = (1[j = token_i] -
+    p_ij) / T and d entropy_i / d logit_ij = -p_ij (log p_ij + entropy_i) / T, zero in the pad column (its logit is a
+    constant), chained through logit_ij = h_i . w_j. A loss may use either output alone (an entropy bonus)."""
+    temperature = 0.7
+    h = randn((n, hidden), seed=n + 1).requires_grad_()
+    w = randn((vocab, hidden), seed=vocab + 1).requires_grad_()
+    tokens = torch.randint(0, vocab, (n,), generator=gen(hidden + 1))
+    tokens[tokens == pad] = (pad + 1) % vocab
+    c = randn((n,), seed=3) * (uses != "entropy")
+    e = randn((n,), seed=4) * (uses != "logprobs")
+    lp, ent = head_logprobs(h, w, tokens, temperature, pad, with_entropy=True, chunk_elements=chunk)
+    assert lp.requires_grad and ent.requires_grad
+    {"logprobs": (lp * c).sum(), "entropy": (ent * e).sum(), "both": (lp * c).sum() + (ent * e).sum()}[uses].backward()
+    W, H = rows(w.detach()), rows(h.detach())
+    grad_h = [[0.0] * hidden for _ in range(n)]
+    grad_w = [[0.0] * hidden for _ in range(vocab)]
+    for i in range(n):
+        logits = naive_head_logits(H[i], W, temperature, pad)
+        finite = [x for x in logits if x > -math.inf]
+        m = max(finite)
+        log_z = m + math.log(sum(math.exp(x - m) for x in finite))
+        entropy = -sum(math.exp(x - log_z) * (x - log_z) for x in finite)
+        for j in range(vocab):
+            if j == pad:
+                continue
+            p = math.exp(logits[j] - log_z)
+            d = c[i].item() * ((1.0 if j == tokens[i].item() else 0.0) - p)
+            d += e[i].item() * -p * (logits[j] - log_z + entropy)
+            d /= temperature + 1e-7
+            for k in range(hidden):
+                grad_h[i][k] += d * W[j][k]
+                grad_w[j][k] += d * H[i][k]
+    assert_close(h.grad, grad_h)
+    assert_close(w.grad, grad_w)
+
+
+def test_head_logprobs_matches_the_unfused_float32_path():
+    """ppo.py's fused path against scale_logits -> logprobs_from_logits / entropy_from_logits on the same logits."""
+    h, w = randn((3, 4, 8), seed=1, dtype=torch.float32), randn((50, 8), seed=2, scale=3.0, dtype=torch.float32)
+    tokens = torch.randint(0, 49, (3, 4), generator=gen(3))
+    lp, ent = head_logprobs(h, w, tokens, 0.7, 49, with_entropy=True, chunk_elements=100)
+    logits = ppo.scale_logits(h @ w.T, 0.7, 49)
+    assert lp.shape == ent.shape == tokens.shape and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ppo.logprobs_from_logits(logits, tokens), **F32)
+    # lse - sum p l (unfused) cancels where the entropy is small; -sum p log p (fused) does not: an absolute bound
+    torch.testing.assert_close(ent, ppo.entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_head_logprobs_under_bf16_autocast_matches_the_unfused_path(seed):
+    """Under accelerate's autocast the forward's logsumexp comes from bf16 logits; the backward runs outside autocast,
+    so it must recompute the logits the same way, or the softmax it forms does not sum to 1 and the gradients drift
+    (by 7% of their scale before the fix). Peaked rows (confident tokens), as a trained policy has."""
+    h = randn((64, 32), seed=seed, scale=3.0, dtype=torch.float32).requires_grad_()
+    w = randn((50, 32), seed=seed + 10, scale=0.5, dtype=torch.float32).requires_grad_()
+    tokens = torch.randint(0, 50, (64,), generator=gen(seed + 20))
+    g = randn((64,), seed=seed + 30, dtype=torch.float32)
+
+    def plain():
+        logits = ppo.scale_logits(h @ w.T, 0.7, 51)
+        return ppo.logprobs_from_logits(logits, tokens), ppo.entropy_from_logits(logits)
+
+    results = []
+    for path in (plain, lambda: head_logprobs(h, w, tokens, 0.7, 51, with_entropy=True, chunk_elements=500)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, ent = path()
+        results.append((lp.detach(), ent.detach(), *torch.autograd.grad((lp * g).sum(), (h, w))))
+    for fused, plain_ in zip(results[1], results[0]):  # within bf16 rounding of each tensor's scale
+        torch.testing.assert_close(fused, plain_, rtol=2e-2, atol=2e-2 * plain_.abs().max().item())
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -575,6 +575,51 @@ def test_the_trunk_kept_while_sampling_is_a_full_forwards(tmp_path, arch):
     assert not exact and "differ from a full forward's" in note
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def test_the_fused_head_stands_in_for_the_pages_forward_where_its_probe_agrees(tmp_path, arch):
+    """`fused_head` wraps the page's PolicyAndValueWrapper where its probe agrees: the same submodules (so the
+    optimizer and the checkpoints see the same model), and the page's log-probs, entropies and values, their
+    gradients (an entropy bonus's too) to float32 rounding, left padding and a tied head (llama) included, with a
+    value head and with a value model. Refused, by name on the banner: a head with a bias, an edited `scale_logits`
+    (a sharper temperature the fused head would bypass), --no-fast-paths, a compiled training step."""
+    from ppo_harness.fused_head import FusedHeadForward, fused_head
+
+    paths = build_models(tmp_path, arch=arch)
+    policy = AutoModelForCausalLM.from_pretrained(paths["sft"])
+    value = AutoModelForSequenceClassification.from_pretrained(paths["rm"])
+    setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
+                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+    args = dataclasses.replace(ppo.Args(), temperature=0.7)
+    qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
+    ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)
+    head = ppo.new_value_head(32)
+    torch.nn.init.normal_(head.weight)
+    for wrapper in (ppo.PolicyAndValueWrapper(policy, value_head=head), ppo.PolicyAndValueWrapper(policy, value)):
+        fused, note = fused_head(ppo, wrapper, setup, args, False)
+        assert isinstance(fused, FusedHeadForward) and "over vocabulary blocks" in note
+        assert fused.state_dict().keys() == wrapper.state_dict().keys()
+        results = []
+        for model in (fused, wrapper):
+            model.zero_grad()
+            lp, ent, values = model(qr, PAD, 2, ids, 0.7)
+            (lp.sum() - 0.3 * ent.sum() + values.sum()).backward()
+            results.append([lp.detach(), ent.detach(), values.detach()] +
+                           [p.grad.clone() for p in wrapper.parameters() if p.grad is not None])
+        assert len(results[0]) == len(results[1])
+        for a, b in zip(*results):  # each to 1e-4 of its largest element: sums of float32 terms
+            assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * b.abs().max() + 1e-6
+    wrapper = ppo.PolicyAndValueWrapper(policy, value_head=head)
+    sharper = copy_of_script("plain_scale_logits = scale_logits\n"
+                             "def scale_logits(logits, t, pad): return plain_scale_logits(logits, t / 2, pad)")
+    assert fused_head(sharper, sharper.PolicyAndValueWrapper(policy, value_head=head), setup, args, False)[1] == (
+        "LM head: the script's own (its probe differs from the script's own forward)")
+    assert fused_head(ppo, wrapper, setup, dataclasses.replace(args, fast_paths=False), False)[0] is wrapper
+    assert "compiled" in fused_head(ppo, wrapper, setup, args, True)[1]
+    out = policy.get_output_embeddings()
+    policy.set_output_embeddings(torch.nn.Linear(out.in_features, out.out_features, bias=True))
+    assert fused_head(ppo, wrapper, setup, args, False)[1].endswith("(the head is not one bias-free matrix)")
+
+
 def test_vader_reward_is_sentiment_of_what_the_policy_wrote():
     vader = load_reward_fn("vader")
     good, bad, neutral = vader(prompts=["", "", ""], completions=["I love this movie, it was wonderful!",
@@ -795,6 +840,7 @@ def test_default_run_shortened(tmp_path):
     banner = " ".join(stdout.split())
     assert "frozen trunks run once per update: policy 24 blocks, reference 24 blocks (the policy's)" in banner
     assert "kept while sampling: the policy's trunk" in banner
+    assert "LM head: over vocabulary blocks in training" in banner
     assert "full forwards" not in banner and "refused" not in banner
 
 

@@ -51,6 +51,7 @@ def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwa
         assert "frozen trunks: none (--no-fast-paths)" in plain.stdout
         assert "frozen trunks run once per update: policy 1 blocks, reference 1 blocks (the policy's)" in banner
         assert "kept while sampling: the policy's trunk" in banner
+        assert "LM head: over vocabulary blocks in training" in banner
         assert "full forwards" not in banner
     elif SCRIPTS[kind] == "ppo_tldr.py":
         assert "sampler: static KV cache, uncompiled" in banner
