@@ -1298,14 +1298,16 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
     pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
-        responses, logprobs = sample_responses(accelerator, models.sampler, eval_queries, args, setup.zero3,
-                                               pad_token_id, setup.stop_token_id, generator)
+        with keep_trunk(models.policy, models.keep_trunk) as kept:  # as phase 1 (README: the ledger)
+            responses, logprobs = sample_responses(accelerator, models.sampler, eval_queries, args, setup.zero3,
+                                                   pad_token_id, setup.stop_token_id, generator)
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
                                              setup.eval_judged)
         # this policy's KL, summed as objective/kl sums it (which is measured before its update
         # trains)
         query_responses = torch.cat((eval_queries, responses), 1)
-        trunks = frozen_trunks(models, query_responses, pad_token_id, args, with_value=False)
+        trunks = frozen_trunks(models, query_responses, pad_token_id, args, kept.trunk(query_responses.size(1)),
+                               with_value=False)
         ref_logprobs, _, full_kl_per_token = reference_and_values(
             models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
             pad_token_id, trunks, with_values=False)

@@ -15,10 +15,10 @@ the algorithm). Each module has one concern and reads alone:
 - `saved_models`: the models saved at the end for plain transformers, a value head loaded back;
 - `writes`: files written whole (a temporary name, then a rename), a full disk named;
 - `run_log`: the banner, metrics.jsonl, TensorBoard, wandb, the console line;
-- `prompt_files`: prompt files loaded with every bad line or row named, and the default run's
-  prompts;
+- `prompt_files`: prompt files loaded with every bad line or row named, the default run's prompts,
+  and the prompts as token ids (text, or chat messages through the chat template);
 - `models`: model files (a GGUF converted once, weight files checked), a model's parts, DeepSpeed
-  ZeRO-3's handling;
+  ZeRO-3's handling, the fresh LoRA adapter's config and the reference as the adapter switched off;
 - `tokenizers`: the chat template's use, the end-of-turn token, a reward model's own tokenizer, and
   their checks;
 - `keywords`: the keywords TRL calls a reward function with (no dataset column may take one);
@@ -26,11 +26,17 @@ the algorithm). Each module has one concern and reads alone:
 - `reward_server`: a served reward over HTTP, in this script's keywords or OpenRLHF's protocol;
 - `reward_stacks`: OpenRLHF's `reward_func` and verl's `compute_score`, called as TRL calls a
   function;
+- `rewards`: the run's rewards as one record, resolved from the flags and tried before any model
+  loads, and the banner's lines on them;
+- `reward_models`: reward models with a tokenizer of their own, reading the decoded text;
 - `reward_calls`: reward functions called as TRL calls them (sync, async awaited together), each
-  output checked;
+  output checked, and the record of what they said and logged;
 - `reward_logs`: what reward functions log, each reward's mean, the sample tables' rows, the
   held-out metrics;
-- `speed`: the shortcuts a script takes where a start-up check finds them equal to its own code (the
-  shared prompt prefix, the compiled static-cache sampler, the fused LM head), the frozen trunk's
-  plumbing, and --compile's.
+- `trunk`: the frozen trunk (--num-trainable-layers) run once per update, or kept while sampling,
+  each checked against the script's own forwards (README: the ledger);
+- `fused_head`: training's LM head over vocabulary blocks, standing in for the script's training
+  forward where a probe finds it equal (README: the ledger);
+- `speed`: --compile's settings, and the CUDA static-cache sampler that stands in for the policy in
+  the script's `generate` where its probe passes (README: the ledger).
 """
