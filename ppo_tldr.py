@@ -183,8 +183,8 @@ class Args:
     static sampler (off: the dynamic cache alone)"""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA, for runs long
-    enough to pay the compile time back (README "Speed"), off on the CPU (slower there than the
-    speed layer)"""
+    enough to pay the compile time back (README "Speed"), off on the CPU (slower there than
+    eager)"""
     tf32: bool = False
     """on CUDA, float32 matmuls in TensorFloat-32 (10-bit mantissa): faster on Ampere and later,
     values change"""
