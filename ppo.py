@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
 from contextlib import nullcontext
@@ -20,17 +19,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, set_seed
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.fused_head import fused_head
+from ppo_harness.forwards import (blocks_only, check_kept_trunk, check_trunks, frozen_trunk, fused_head, keep_trunk,
+                                  transformer_blocks, unpeft)
 from ppo_harness.launch import check_flags, gather_once, own_share, process_share, start, summed_over_processes
 from ppo_harness.models import (check_scalar_model, gathered_for_init, lora_config, model_files, outside_zero_init,
-                                policy_for_generation, reference_adapter, shard_frozen, transformer_blocks,
-                                unpeft)
+                                reference_adapter, shard_frozen)
 from ppo_harness.prompt_files import (DEFAULT_PROMPTS, build_movie_review_prompts, check_prompt_rows,
                                       load_prompt_dataset, repeated_prompts, tokenize_prompts)
 from ppo_harness.reward_calls import reward_components
@@ -41,10 +40,9 @@ from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.rewards import Rewards, load_rewards, reward_notes
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
-from ppo_harness.run_log import FiniteLosses, RunLog
+from ppo_harness.run_log import RunLog, check_finite_losses
 from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
-from ppo_harness.trunk import blocks_only, check_kept_trunk, check_trunks, frozen_trunk, keep_trunk
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
 INVALID_LOGPROB = 1.0
@@ -103,8 +101,9 @@ class Args:
     """one weight per reward (reward models first, then functions); the score is the weighted sum
     (all 1)"""
     value_model_path: str | None = None
-    """initialises the value model; default: the first reward model with the policy's tokenizer,
-    else the SFT policy"""
+    """initialises the value model (its weights only: the critic's optimizer starts fresh, nothing
+    carried from the run it came from); default: the first reward model with the policy's
+    tokenizer, else the SFT policy"""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """the dtype models load in (auto: as saved); float32, as bf16 weights round AdamW's steps
     away (trl#4778)"""
@@ -195,7 +194,7 @@ class Args:
     # (2503.14476); all off
     value_warmup_updates: Annotated[int, "[0, inf)"] = 0
     """the first N updates train only the critic, on the initial policy's rollouts (VC-PPO's
-    value pretraining)"""
+    value pretraining); the policy's lr anneal and the adaptive KL controller wait for them"""
     lam_critic: Annotated[float | None, "[0, 1]"] = None
     """the GAE lambda of the critic's targets, --lam then the policy's alone (decoupled GAE;
     None: --lam for both)"""
@@ -227,6 +226,14 @@ class Args:
     them); None: all"""
     learning_rate: Annotated[float, "[0, inf)"] = 7e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
+    critic_learning_rate: Annotated[float | None, "[0, inf)"] = None
+    """the value parameters' own starting lr, annealed as the policy's (SAO: 5x the policy's);
+    under --shared-value-head the head's alone, the trunk it shares being the policy's (None:
+    --learning-rate)"""
+    critic_epochs: Annotated[int, "[0, inf)"] = 0
+    """after the PPO epochs, this many more epochs of the value loss alone over the same rollout,
+    stepping only the value parameters (SAO's two critic updates per policy update: 1, with
+    --num-ppo-epochs 1)"""
     max_grad_norm: Annotated[float | None, "(0, inf)"] = 1.0
     """clip the global gradient norm of policy + value to this (None: no clipping)"""
 
@@ -374,11 +381,6 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
     """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
     width = max(t.size(1) for t in tensors)
     return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
-def pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
-    """(rows, length) right-padded with `value` to `width` columns."""
-    return F.pad(tensor, (0, width - tensor.size(1)), value=value)
 
 
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
@@ -656,15 +658,12 @@ def main(args: Args) -> None:
     models.sampler = static_sampler(sys.modules[__name__], args, accelerator, setup, models) or model
     sizes, device = setup.sizes, accelerator.device
     pad_token_id, stop_token_id = setup.tokenizer.pad_token_id, setup.stop_token_id
-    # speed: the training step is the page's own `ppo_loss`, compiled whole by --compile (backward
-    # too); under --compile auto a step the compiler fails on runs as it is (said once)
+    # speed: --compile compiles `ppo_loss` whole, backward too (under auto: eager where it fails)
     training_loss = ppo_loss if not setup.compiled else CompiledOrEager(
         torch.compile(ppo_loss, fullgraph=True, dynamic=False), ppo_loss, strict=args.compile == "on")
-    # each rank samples with its own seed (N+ detail 8); the data order is shared: `rollout_indices`
-    local_seed = args.seed + accelerator.process_index * 100003
-    random.seed(local_seed)
-    np.random.seed(local_seed)  # minibatch permutations: TRL never seeded numpy, so runs differed
-    torch.manual_seed(local_seed)
+    # each rank samples with its own seed (N+ detail 8), numpy's too (TRL never seeded the minibatch
+    # permutations, so its runs differed); the data order is shared: `rollout_indices`
+    set_seed(args.seed + accelerator.process_index * 100003)
     # TRY NOT TO MODIFY: a resume's weights, optimizer and random states; the logs; banner; SIGTERM
     notes = [*reward_notes(setup.rewards, setup.stop_token_id), setup.value_init, *setup.notes, *models.notes]
     run = start_run(accelerator, args, setup, optimizer, models.named(setup.rewards), notes, setup.sft_model_path)
@@ -689,14 +688,14 @@ def main(args: Args) -> None:
         with torch.no_grad(), accelerator.autocast():
             # 1. Rollout: sample in chunks, keeping each token's log-prob; cut after the stop token.
             # speed: the trunk states sampling computes anyway are kept, for phase 2 (README: the ledger)
-            with keep_trunk(models.policy, models.keep_trunk) as kept:
+            with keep_trunk(models.policy, models.keep_trunk) as kept_trunk:
                 responses, logprobs = sample_responses(accelerator, models.sampler, queries, args,
                                                        setup.zero3, pad_token_id, stop_token_id)
             # a column past the longest response: every score one past its eos (N+ detail 25, SFD;
             # TRL's width put the longest's on it); compiled, --response-length wide: one compilation
             width = args.response_length if setup.compiled else min(responses.size(1) + 1, args.response_length)
-            responses = pad_columns(responses, width, pad_token_id)
-            logprobs = pad_columns(logprobs, width, INVALID_LOGPROB)
+            responses = F.pad(responses, (0, width - responses.size(1)), value=pad_token_id)
+            logprobs = F.pad(logprobs, (0, width - logprobs.size(1)), value=INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             # the index of each response's last real token (-1: an empty response)
@@ -707,7 +706,7 @@ def main(args: Args) -> None:
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
             # frozen bottom blocks' output (--num-trainable-layers) feeds every later forward
             trunks = frozen_trunks(models, query_responses, pad_token_id, args,
-                                   trunk=kept.trunk(query_responses.size(1)))
+                                   trunk=kept_trunk(query_responses.size(1)))
             ref_logprobs, values, full_kl_per_token = reference_and_values(
                 models, query_responses, response_ids, queries.size(1), args, pad_token_id, trunks,
                 with_values=args.advantage_estimator == "gae")
@@ -771,56 +770,61 @@ def main(args: Args) -> None:
                 score_components=score_components, dropped=dropped, positive=positive,
                 kl_coef=torch.tensor(kl_coef, device=device))
 
-        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps (of gradient_accumulation_steps
-        # micro-batches each)
+        # 6. PPO: num_ppo_epochs x num_mini_batches optimizer steps; then --critic-epochs
         timer = time.perf_counter()
         model.train()
         step_stats, optimizer_steps, skipped_minibatches, stop_early = [], 0, 0, False
-        finite = FiniteLosses(device)  # losses checked on the device, read after the epochs
-        for ppo_epoch_idx in range(args.num_ppo_epochs):
-            if stop_early:
-                break
+        losses = []  # each micro-batch's (loss, epoch, minibatch), checked on the device after the epochs
+        for ppo_epoch_idx in range(args.num_ppo_epochs + args.critic_epochs):
+            # ALGO LOGIC: --critic-epochs (SAO; NeMo-RL's critic_ppo_epochs): the value loss alone; the
+            # policy group's gradient (0, or a shared trunk's from the value loss) is dropped, so the
+            # policy moves in the PPO epochs only
+            critic_only = ppo_epoch_idx >= args.num_ppo_epochs
+            if stop_early and not critic_only:
+                continue
             b_inds = torch.from_numpy(np.random.permutation(sizes.local_batch_size)).to(device)
             # the token-level loss's denominators (DAPO 3.3), over all processes
             denominators = loss_denominators(accelerator, args, rollout, b_inds)
             for minibatch_idx, mini_batch_inds in enumerate(b_inds.split(sizes.local_mini_batch_size)):
                 micro_batches = mini_batch_inds.split(args.per_device_train_batch_size)
-                if args.ratio_threshold is not None and ratio_guard_skips(accelerator, models, args,
-                                                                          micro_batches, rollout, pad_token_id):
+                if args.ratio_threshold is not None and not critic_only and ratio_guard_skips(
+                        accelerator, models, args, micro_batches, rollout, pad_token_id):
                     skipped_minibatches += 1
                     continue
                 denominator = None if denominators is None else denominators[minibatch_idx]
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         loss, stats = training_loss(model, mbi, rollout, args, pad_token_id,
-                                                    train_policy, denominator)
-                        finite.note(loss, f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}")
+                                                    train_policy and not critic_only, denominator)
+                        losses.append((loss.detach(), ppo_epoch_idx + 1, minibatch_idx + 1))
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
-                            optimizer_steps += 1
+                            optimizer_steps += not critic_only
+                            for p in optimizer.param_groups[0]["params"] if critic_only else ():  # the policy's
+                                p.grad = None  # AdamW skips a parameter without a gradient
                             if args.max_grad_norm is not None:  # TRL accepted it, never clipped
                                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         optimizer.step()
                         optimizer.zero_grad()
-                        step_stats.append({k: v.detach() for k, v in stats.items()})
+                        if not critic_only:
+                            step_stats.append({k: v.detach() for k, v in stats.items()})
                 # --target-kl: after every minibatch, over all processes (classic TRL: every epoch)
-                if args.target_kl is not None:
+                if args.target_kl is not None and not critic_only:
                     approxkl = torch.stack([s["policy/approxkl_avg"] for s in step_stats[-len(micro_batches):]])
-                    stop_early = bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl)
-                if stop_early:
-                    break
-        finite.check(accelerator, update, run.folder.checkpoints)
+                    if stop_early := bool(accelerator.reduce(approxkl.mean(), "mean") > args.target_kl):
+                        break
+        check_finite_losses(accelerator, losses, update, run.folder.checkpoints)
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); the held-out score; the adaptive KL
         with torch.no_grad():
             metrics = {
                 **gathered_metrics(accelerator, args, rollout, step_stats),
-                "lr": lr, "episode": episode, "policy/optimizer_steps": optimizer_steps,
+                "lr": lr, **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups},  # each group's
+                "episode": episode, "policy/optimizer_steps": optimizer_steps,
                 "policy/skipped_minibatches": skipped_minibatches,  # by --ratio-threshold
                 "objective/kl_coef": kl_coef,  # the beta these rewards used
-                # seconds on rank 0: sampling; the reference, value and reward forwards; rewards
-                # to whitened advantages; the PPO epochs
+                # seconds on rank 0: phase 1; phases 2 and 3; phases 4 and 5; phase 6
                 "time/generation": time_generation, "time/scoring": time_scoring,
                 "time/gae": time_gae, "time/training": time_training}
         if args.use_score_scaling or args.use_score_norm:
@@ -830,9 +834,7 @@ def main(args: Args) -> None:
         # saved as the last (a condition on held-out eval/* metrics: after `evaluate` below)
         if args.eval_samples > 0 and (last or args.eval_every and update % args.eval_every == 0):
             metrics.update(evaluate(accelerator, models, args, setup, eval_queries, update, run.log))
-        if not all(math.isfinite(v) for v in metrics.values()):
-            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
-        if args.kl_target is not None:  # for the next update, from this rollout's KL
+        if args.kl_target is not None and train_policy:  # for the next update, from this rollout's KL
             kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.kl_target,
                                        args.kl_horizon, sizes.batch_size)
         samples = training_samples(setup, batch_rows, responses, scores, score_components)
@@ -851,17 +853,19 @@ def main(args: Args) -> None:
 
 def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_updates: int = 0):
     """(the policy's lr, whether the policy trains) at `update`: each group's lr anneals linearly
-    from its own start to 0 over the run (N+ detail 29). During VC-PPO's value pretraining
-    (--value-warmup-updates, verl's critic_warmup) the policy's group waits at 0; when it ends,
-    the policy's Adam state is dropped, since the warm-up stepped it on zero gradients."""
-    anneal = 1.0 - (update - 1.0) / num_updates
+    from its own start to 0 over the updates it trains (N+ detail 29). During VC-PPO's value
+    pretraining (--value-warmup-updates, verl's critic_warmup) the policy's group waits at 0 and
+    its anneal has not started (verl steps the actor's scheduler only when the actor updates):
+    it anneals over the updates after. When the warm-up ends, the policy's Adam state is dropped,
+    since the warm-up stepped it on zero gradients."""
     train_policy = update > value_warmup_updates
     if value_warmup_updates and update == value_warmup_updates + 1:
         for p in optimizer.param_groups[0]["params"]:
             optimizer.state.pop(p, None)
     for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
-        trains = train_policy or group["name"] != "policy"
-        group["lr"] = anneal * group["initial_lr"] if trains else 0.0
+        waited = value_warmup_updates if group["name"] == "policy" else 0  # the policy's anneal waits
+        anneal = 1.0 - (update - 1 - waited) / (num_updates - waited)
+        group["lr"] = anneal * group["initial_lr"] if update > waited else 0.0
     return optimizer.param_groups[0]["lr"], train_policy
 
 
@@ -870,8 +874,14 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, their log-probs), sampled in chunks of
     --local-rollout-forward-batch-size prompts."""
-    chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+    chunk, policy, synced, gathered = args.local_rollout_forward_batch_size, model, False, nullcontext()
+    if isinstance(model, nn.Module):  # else a sampler standing in for the policy (speed.py's StaticSampler)
+        policy, synced = accelerator.unwrap_model(model).policy, zero3  # ZeRO-3: every process steps alike
+        if zero3 and args.ds3_gather_for_generation:  # its weights gathered once per rollout (TRL's)
+            from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+            gathered, synced = unwrap_model_for_generation(model), False
+    with gathered:
         generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)
@@ -989,7 +999,7 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
     """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
-    blocks above the n frozen ones alone, from their output (ppo_harness/trunk.py's `blocks_only`)."""
+    blocks above the n frozen ones alone, from their output (ppo_harness/forwards.py's `blocks_only`)."""
     inputs = model_inputs(query_responses, pad_token_id)
     if trunk is None:
         return inputs, nullcontext()
@@ -1298,7 +1308,7 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     tokenizer, held_out = setup.tokenizer, setup.eval_rows[:]
     pad_token_id = tokenizer.pad_token_id
     with torch.no_grad(), accelerator.autocast():
-        with keep_trunk(models.policy, models.keep_trunk) as kept:  # as phase 1 (README: the ledger)
+        with keep_trunk(models.policy, models.keep_trunk) as kept_trunk:  # as phase 1 (README: the ledger)
             responses, logprobs = sample_responses(accelerator, models.sampler, eval_queries, args, setup.zero3,
                                                    pad_token_id, setup.stop_token_id, generator)
         scores, components = score_responses(setup.rewards, eval_queries, responses, held_out, update,
@@ -1306,7 +1316,7 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         # this policy's KL, summed as objective/kl sums it (which is measured before its update
         # trains)
         query_responses = torch.cat((eval_queries, responses), 1)
-        trunks = frozen_trunks(models, query_responses, pad_token_id, args, kept.trunk(query_responses.size(1)),
+        trunks = frozen_trunks(models, query_responses, pad_token_id, args, kept_trunk(query_responses.size(1)),
                                with_value=False)
         ref_logprobs, _, full_kl_per_token = reference_and_values(
             models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
@@ -1362,6 +1372,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     if args.value_warmup_updates >= sizes.num_updates:
         raise ValueError(f"--value-warmup-updates {args.value_warmup_updates}: the run has {sizes.num_updates} "
                          "updates, so the policy would never train")
+    if args.critic_epochs and accelerator.state.deepspeed_plugin is not None:
+        raise ValueError("--critic-epochs steps the value parameters alone, which DeepSpeed's optimizer cannot do: "
+                         "launch with DDP (accelerate_configs/multi_gpu.yaml), or drop --critic-epochs")
     if args.whiten_rewards and sizes.local_batch_size < 8:
         raise ValueError(f"--whiten-rewards needs at least 8 responses per process, got {sizes.local_batch_size}")
     # --compile auto: CUDA, and a run long enough
@@ -1494,9 +1507,11 @@ def check_args(args: Args) -> None:
         if needs and args.num_generations < 2:
             raise ValueError(f"--{flag.replace('_', '-')} {value} compares the responses of one prompt: "
                              "give --num-generations 2 or more")
-    for flag in ("value_warmup_updates", "lam_critic", "lam_length_alpha"):
+    # a flag that could not act is refused: the critic's, and the rewards' whitening only GAE reads
+    for flag in ("value_warmup_updates", "lam_critic", "lam_length_alpha", "critic_learning_rate", "critic_epochs",
+                 "value_model_path", "whiten_rewards"):
         if critic_free and getattr(args, flag) not in (None, 0):
-            raise ValueError(f"--{flag.replace('_', '-')} acts on the critic's GAE: --advantage-estimator "
+            raise ValueError(f"--{flag.replace('_', '-')} acts on the critic or its GAE: --advantage-estimator "
                              f"{args.advantage_estimator} has no critic")
     if args.positive_lm_coef == 0 and args.positive_threshold != 1.0:
         raise ValueError("--positive-threshold selects the responses of --positive-lm-coef: give it a coefficient")
@@ -1588,7 +1603,7 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         for m in trained_models:
             enable_gradient_checkpointing(m)
     # the frozen trunks (--num-trainable-layers), checked against this page's forwards as they are
-    # (ppo_harness/trunk.py), and which models share the policy's
+    # (ppo_harness/forwards.py), and which models share the policy's
     num_frozen, shares, trunk_note = check_trunks(sys.modules[__name__], args, setup, policy, ref_policy,
                                                   value_model, value_head)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
@@ -1599,10 +1614,13 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     if setup.compiled:
         ready_to_compile(model)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a group each
-    # ALGO LOGIC: a critic's own lr: param_groups(lr, policy=policy) + param_groups(lr_v, value=value)
+    # ALGO LOGIC: the critic's own lr (--critic-learning-rate: SAO's 5x; OpenRLHF's critic_learning_rate,
+    # verl's critic.optim.lr). Under --shared-value-head the value group is the head alone: the trunk under
+    # it is the policy's, moved by both losses at the policy's lr, so the policy's steps stay as set
     value = value_head if value_model is None else value_model
-    optimizer = torch.optim.AdamW(param_groups(args.learning_rate, policy=policy, value=value), eps=1e-5,
-                                  weight_decay=0.0, fused=True)
+    critic_lr = args.learning_rate if args.critic_learning_rate is None else args.critic_learning_rate
+    groups = param_groups(args.learning_rate, policy=policy) + param_groups(critic_lr, value=value)
+    optimizer = torch.optim.AdamW(groups, eps=1e-5, weight_decay=0.0, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     if setup.zero3:  # the frozen models sharded too, in the trained models' precision
         for m in frozen_models:

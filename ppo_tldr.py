@@ -9,6 +9,7 @@ import math
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple
@@ -23,13 +24,13 @@ from datasets import Dataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.fused_head import fused_head
+from ppo_harness.forwards import fused_head
 from ppo_harness.launch import check_flags, gather_once, process_share, start
-from ppo_harness.models import check_scalar_model, gathered_for_init, policy_for_generation, shard_frozen
+from ppo_harness.models import check_scalar_model, gathered_for_init, shard_frozen
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
-from ppo_harness.run_log import FiniteLosses, RunLog, print_rows
+from ppo_harness.run_log import RunLog, check_finite_losses, print_rows
 from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.writes import write_atomic
 
@@ -265,11 +266,6 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
 
 
-def pad_columns(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
-    """(rows, length) right-padded with `value` to `width` columns."""
-    return F.pad(tensor, (0, width - tensor.size(1)), value=value)
-
-
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
     """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail
     23)."""
@@ -492,8 +488,8 @@ def main(args: Args) -> None:
             responses, logprobs = sample_responses(accelerator, models.sampler, queries, args,
                                                    setup.zero3, pad_token_id, stop_token_id)
             # as wide as --response-length (SFD): a score lands past the eos
-            responses = pad_columns(responses, args.response_length, pad_token_id)
-            logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)
+            responses = F.pad(responses, (0, args.response_length - responses.size(1)), value=pad_token_id)
+            logprobs = F.pad(logprobs, (0, args.response_length - logprobs.size(1)), value=INVALID_LOGPROB)
             time_generation = time.perf_counter() - timer
             query_responses = torch.cat((queries, responses), 1)
             # the index of each response's last real token (-1: an empty response)
@@ -544,7 +540,7 @@ def main(args: Args) -> None:
         timer = time.perf_counter()
         model.train()
         step_stats, optimizer_steps = [], 0  # a dict per micro-batch
-        finite = FiniteLosses(device)  # losses checked on the device, read after the epochs
+        losses = []  # each micro-batch's (loss, epoch, minibatch), checked on the device after the epochs
         for ppo_epoch_idx in range(args.num_ppo_epochs):
             # one copy to the device per epoch, not one per micro-batch
             b_inds = torch.from_numpy(np.random.permutation(sizes.local_batch_size)).to(device)
@@ -556,8 +552,7 @@ def main(args: Args) -> None:
                 for mbi in micro_batches:
                     with accelerator.accumulate(model):
                         loss, stats = training_loss(model, mbi, rollout, args, pad_token_id)
-                        where = f"PPO epoch {ppo_epoch_idx + 1}, minibatch {minibatch_idx + 1}"
-                        finite.note(loss, where)
+                        losses.append((loss.detach(), ppo_epoch_idx + 1, minibatch_idx + 1))
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
                             optimizer_steps += 1
@@ -568,7 +563,7 @@ def main(args: Args) -> None:
                         optimizer.zero_grad()
                         step_stats.append({k: v.detach() for k, v in stats.items()})
                     del loss, stats
-        finite.check(accelerator, update, run.folder.checkpoints)
+        check_finite_losses(accelerator, losses, update, run.folder.checkpoints)
         time_training = time.perf_counter() - timer
 
         # 7. Metrics, averaged over processes (TRL's names); the held-out validation (N+ detail 30)
@@ -585,8 +580,6 @@ def main(args: Args) -> None:
         if last or (args.eval_every > 0 and update % args.eval_every == 0):
             held_out = evaluate(accelerator, models, args, setup, eval_queries, update, run.log)
             metrics.update(held_out)
-        if not all(math.isfinite(v) for v in metrics.values()):
-            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         run.log_update(update, metrics, training_seconds=time_training)  # TRY NOT TO MODIFY
 
         # 8. Checkpoint: every --save-every updates, at the end (models first), on SIGTERM or SIGINT
@@ -604,8 +597,14 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
                      pad_token_id: int, stop_token_id: int | None, generator=None):
     """(responses cut after the stop token, their log-probs), sampled in chunks of
     --local-rollout-forward-batch-size prompts."""
-    chunk = args.local_rollout_forward_batch_size
-    with policy_for_generation(accelerator, model, zero3, args.ds3_gather_for_generation) as (policy, synced):
+    chunk, policy, synced, gathered = args.local_rollout_forward_batch_size, model, False, nullcontext()
+    if isinstance(model, nn.Module):  # else a sampler standing in for the policy (speed.py's StaticSampler)
+        policy, synced = accelerator.unwrap_model(model).policy, zero3  # ZeRO-3: every process steps alike
+        if zero3 and args.ds3_gather_for_generation:  # its weights gathered once per rollout (TRL's)
+            from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+            gathered, synced = unwrap_model_for_generation(model), False
+    with gathered:
         generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
     responses = pad_right([r for r, _ in generated], pad_token_id)

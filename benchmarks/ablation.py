@@ -44,6 +44,10 @@ TASKS = {
 GROUP = ["--num-generations", "4"]
 VAPO = ["--value-warmup-updates", "1", "--lam", "0.95", "--lam-critic", "1.0", "--lam-length-alpha", "0.05",
         "--cliprange-high", "0.28", "--loss-aggregation", "token", "--positive-lm-coef", "0.1", *GROUP]
+# the critic trained as SAO trains it (arXiv 2607.07508: one response per prompt, the critic at 5x the policy's lr, two
+# critic updates per policy update) and the warm-up that waits; "better critic": the same without the warm-up
+BETTER_CRITIC = ["--critic-learning-rate", "3.5e-4", "--critic-epochs", "1"]  # 5 x the default 7e-5
+SAO = [*BETTER_CRITIC, "--value-warmup-updates", "1"]
 ROWS = {  # name: flags beyond the task's (plain PPO: today's defaults)
     "length-ppo": [],
     "length-value-warmup": ["--value-warmup-updates", "1"],
@@ -58,10 +62,16 @@ ROWS = {  # name: flags beyond the task's (plain PPO: today's defaults)
     "length-vapo": VAPO,
     "length-grpo": ["--advantage-estimator", "grpo", *GROUP],
     "length-rloo": ["--advantage-estimator", "rloo", *GROUP],
+    "length-sao": SAO,
+    "length-better-critic": BETTER_CRITIC,
+    "length-decoupled-gae-better-critic": ["--lam", "0.95", "--lam-critic", "1.0", *BETTER_CRITIC],
+    "length-adaptive-gae-better-critic": ["--lam-length-alpha", "0.05", *BETTER_CRITIC],
     "arithmetic-ppo": [],
     "arithmetic-vapo": VAPO,
     "arithmetic-grpo": ["--advantage-estimator", "grpo", *GROUP],
     "arithmetic-rloo": ["--advantage-estimator", "rloo", *GROUP],
+    "arithmetic-sao": SAO,
+    "arithmetic-better-critic": BETTER_CRITIC,
 }
 
 

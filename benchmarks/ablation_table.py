@@ -121,7 +121,7 @@ def plot(table, output: Path):
             points = min(len(c) for c in s["curves"])
             xs = [statistics.fmean(c[i][0] for c in s["curves"]) for i in range(points)]
             ys = [[c[i][1] for c in s["curves"]] for i in range(points)]
-            style = "-" if name.endswith(("-ppo", "-vapo", "-grpo", "-rloo")) else ":"
+            style = "-" if name.endswith(("-ppo", "-vapo", "-grpo", "-rloo", "-sao")) else ":"
             ax.plot(xs, [statistics.fmean(y) for y in ys], style, marker="o", color=colors[name],
                             label=name[len(task) + 1:])
             ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=colors[name], alpha=0.08)

@@ -4,8 +4,9 @@
 #
 #   python benchmarks/profile_window.py OUT.json FIRST COUNT ppo.py --flags...   # updates FIRST .. FIRST+COUNT-1
 #
-# The script runs in this process, unchanged: the profiler steps at each update's log line, and phase 6 is found by
-# the FiniteLosses check it opens and reads once per update (ppo_harness/run_log.py). OUT.json gets the counts;
+# The script runs in this process, unchanged: the profiler steps at each update's log line, and phase 6 runs from
+# its first micro-batch (accelerate's `accumulate`) to the check of its losses once per update
+# (ppo_harness/run_log.py's check_finite_losses). OUT.json gets the counts;
 # OUT.json's folder gets ops.txt, the window's busiest operators (CPU and CUDA time).
 import json
 import os
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 out, first, count, script = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 sys.argv = sys.argv[4:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` would: it finds ppo_harness/
+import accelerate  # noqa: E402
 from ppo_harness import run_log  # noqa: E402 (after the path)
 
 SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
@@ -29,7 +31,7 @@ profiler = profile(activities=activities, schedule=schedule(wait=max(0, first - 
                                                             active=count))
 window = {"updates": [], "optimizer_steps": 0, "training_s": []}
 phase = {}
-log, init, check = run_log.RunLog.log, run_log.FiniteLosses.__init__, run_log.FiniteLosses.check
+log, accumulate, check = run_log.RunLog.log, accelerate.Accelerator.accumulate, run_log.check_finite_losses
 
 
 def logged(self, update, metrics, *rest):
@@ -43,19 +45,22 @@ def logged(self, update, metrics, *rest):
 
 
 def opened(self, *args, **kwargs):
-    init(self, *args, **kwargs)
-    phase["range"] = record_function("phase 6: the PPO epochs")
-    phase["range"].__enter__()
+    if "range" not in phase:  # the update's first micro-batch
+        phase["range"] = record_function("phase 6: the PPO epochs")
+        phase["range"].__enter__()
+    return accumulate(self, *args, **kwargs)
 
 
-def checked(self, *args, **kwargs):
+def checked(*args, **kwargs):
     try:
-        return check(self, *args, **kwargs)
+        return check(*args, **kwargs)
     finally:
-        phase.pop("range").__exit__(None, None, None)
+        if "range" in phase:
+            phase.pop("range").__exit__(None, None, None)
 
 
-run_log.RunLog.log, run_log.FiniteLosses.__init__, run_log.FiniteLosses.check = logged, opened, checked
+# patched before the script imports check_finite_losses from run_log
+run_log.RunLog.log, accelerate.Accelerator.accumulate, run_log.check_finite_losses = logged, opened, checked
 start = time.perf_counter()
 profiler.start()
 try:

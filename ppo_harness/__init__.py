@@ -17,8 +17,12 @@ the algorithm). Each module has one concern and reads alone:
 - `run_log`: the banner, metrics.jsonl, TensorBoard, wandb, the console line;
 - `prompt_files`: prompt files loaded with every bad line or row named, the default run's prompts,
   and the prompts as token ids (text, or chat messages through the chat template);
-- `models`: model files (a GGUF converted once, weight files checked), a model's parts, DeepSpeed
-  ZeRO-3's handling, the fresh LoRA adapter's config and the reference as the adapter switched off;
+- `forwards`: the parts of a model the forwards reach into (its blocks, the model inside peft), and
+  the README ledger's hand-written forwards, each checked against the script's own: the frozen trunk
+  (--num-trainable-layers) run once per update or kept while sampling, and training's LM head over
+  vocabulary blocks standing in for the script's training forward;
+- `models`: model files (a GGUF converted once, weight files checked), DeepSpeed ZeRO-3's handling,
+  the fresh LoRA adapter's config and the reference as the adapter switched off;
 - `tokenizers`: the chat template's use, the end-of-turn token, a reward model's own tokenizer, and
   their checks;
 - `keywords`: the keywords TRL calls a reward function with (no dataset column may take one);
@@ -33,10 +37,6 @@ the algorithm). Each module has one concern and reads alone:
   output checked, and the record of what they said and logged;
 - `reward_logs`: what reward functions log, each reward's mean, the sample tables' rows, the
   held-out metrics;
-- `trunk`: the frozen trunk (--num-trainable-layers) run once per update, or kept while sampling,
-  each checked against the script's own forwards (README: the ledger);
-- `fused_head`: training's LM head over vocabulary blocks, standing in for the script's training
-  forward where a probe finds it equal (README: the ledger);
 - `speed`: --compile's settings, and the CUDA static-cache sampler that stands in for the policy in
   the script's `generate` where its probe passes (README: the ledger).
 """

@@ -16,6 +16,7 @@ import torch.nn as nn
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ppo_harness.forwards import transformer_blocks
 from ppo_harness.writes import temporary_name
 
 
@@ -119,20 +120,6 @@ def check_scalar_model(path: str, role: str, require_head: bool, trust_remote_co
     return config
 
 
-def unpeft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PeftModel (whose LoRA layers are injected in place), or the
-    model itself."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
-
-
-def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The attribute name and the list of transformer blocks of a transformers model's backbone."""
-    for name, child in unpeft(model).base_model.named_children():
-        if isinstance(child, nn.ModuleList):
-            return name, child
-    raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
-
-
 def resolve_model_path(path: str) -> str:
     """A hub id or directory as it is; a GGUF file (or `package/file.gguf`) dequantised once into
     cache/."""
@@ -225,24 +212,6 @@ def shard_frozen(model: nn.Module, ds_config: dict) -> None:
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     model.__dict__["_deepspeed_engine"] = engine  # a plain attribute, not a submodule
-
-
-@contextmanager
-def policy_for_generation(accelerator, model: nn.Module, zero3: bool, gather_weights: bool):
-    """The policy to sample from and `generate`'s `synced`; under ZeRO-3 with `gather_weights` the
-    weights are gathered once per rollout (TRL's ds3_gather_for_generation)."""
-    # a sampler standing in for the policy (speed.py's StaticSampler)
-    if not isinstance(model, nn.Module):
-        yield model, False
-        return
-    policy = accelerator.unwrap_model(model).policy
-    if zero3 and gather_weights:
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-
-        with unwrap_model_for_generation(model):
-            yield policy, False
-    else:
-        yield policy, zero3
 
 
 # ---- LoRA: the fresh adapter's config, and the reference as the policy with its adapter off ------

@@ -4,6 +4,7 @@ the SIGTERM handler and prints the banner; `Run.log_update` writes an update's m
 `Run.checkpoint` saves the models and a checkpoint when due; `Run.finish` closes the run. The
 algorithm's state kept across updates is the script's: it passes it to `Run.checkpoint` and reads it
 back from `Run.saved`."""
+import math
 import time
 from dataclasses import dataclass
 
@@ -38,8 +39,11 @@ class Run:
     start_time: float = 0.0
 
     def log_update(self, update: int, metrics: dict, samples: list[dict] = (), training_seconds: float = 0.0):
-        """An update's metrics (with `eps`, episodes per second since the loop began) and a few of
-        its rollout's rows; what torch.compile compiled during it, on the console."""
+        """An update's metrics (with `eps`, episodes per second since the loop began; a metric that
+        is not finite stops the run) and a few of its rollout's rows; what torch.compile compiled
+        during it, on the console."""
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
         eps = (update - self.start_update + 1) * self.batch_size / (time.time() - self.start_time)
         self.log.log(update, {**metrics, "eps": round(eps, 3)}, samples)
         self.compile_watch.report(update, training_seconds, self.console if self.accelerator.is_main_process

@@ -138,24 +138,20 @@ def print_banner(console, run_name: str, args, sizes, models: dict, zero_stage: 
     console.print(table)
 
 
-class FiniteLosses:
-    """Whether every micro-batch's loss was finite, noted on the device and read once per update,
-    after the PPO epochs: a read per step would make the host wait for the GPU at every step. The
-    first non-finite one is named, and every process stops together (the update's weights are not
-    saved: the last good checkpoint stays)."""
-
-    def __init__(self, device):
-        # 1 + the first bad micro-batch's index, or 0
-        self.first = torch.zeros((), dtype=torch.long, device=device)
-        self.where = []
-
-    def note(self, loss, where: str) -> None:
-        self.where.append(where)
-        self.first = torch.where((self.first == 0) & ~torch.isfinite(loss.detach()), len(self.where), self.first)
-
-    def check(self, accelerator, update: int, checkpoints) -> None:
-        first = [f for f in accelerator.gather(self.first[None]).tolist() if f > 0]
-        if first:
-            raise FloatingPointError(f"update {update} ({self.where[min(first) - 1]}): non-finite "
-                                     "loss on some rank; the last good checkpoint is "
-                                     f"kept in {checkpoints}")
+def check_finite_losses(accelerator, losses: list, update: int, checkpoints) -> None:
+    """Stop every process together if some micro-batch's loss was not finite, naming the first.
+    `losses`: (loss, epoch, minibatch) of each micro-batch of the PPO epochs (ppo.py's epochs after
+    --num-ppo-epochs are --critic-epochs'), read here once per update, after them: a read per step
+    would make the host wait for the GPU at every step. The update's weights are not saved: the last
+    good checkpoint stays."""
+    if not losses:
+        return
+    bad = ~torch.isfinite(torch.stack([loss.detach().float() for loss, *_ in losses]))
+    # 1 + the first bad micro-batch's index, or 0
+    first = torch.where(bad.any(), bad.float().argmax() + 1, 0)
+    first = [f for f in accelerator.gather(first[None]).tolist() if f > 0]
+    if first:
+        _, epoch, minibatch = losses[min(first) - 1]
+        raise FloatingPointError(f"update {update} (epoch {epoch}, minibatch {minibatch}): non-finite "
+                                 "loss on some rank; the last good checkpoint is "
+                                 f"kept in {checkpoints}")

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from transformers import StaticCache
 
-from ppo_harness.models import unpeft
+from ppo_harness.forwards import unpeft
 
 
 def should_compile(args, accelerator, num_updates: int, pays_back_after: int = 40) -> bool:

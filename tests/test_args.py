@@ -24,7 +24,8 @@ BAD = {
         "ratio_threshold": 0.0, "score_clip": -1.0, "num_trainable_layers": 0, "lora_r": 0, "lora_alpha": 0,
         "lora_dropout": 1.0, "eval_every": -1, "reward_weights": (1.0, math.nan), "ent_coef": -0.1,
         "num_generations": 0, "reward_url_timeout": 0.0, "reward_url_retries": -1, "reward_url_rows_per_request": 0,
-        "value_warmup_updates": -1, "lam_critic": 1.5, "lam_length_alpha": 0.0, "cliprange_high": 0.0,
+        "value_warmup_updates": -1, "critic_learning_rate": -1.0, "critic_epochs": -1, "lam_critic": 1.5,
+        "lam_length_alpha": 0.0, "cliprange_high": 0.0,
         "positive_lm_coef": -0.1, "positive_threshold": math.nan,
     },
     ppo_tldr: {

@@ -19,7 +19,7 @@ import ppo
 import ppo_tldr
 from conftest import assert_same_run, run_ppo, tiny_args
 from ppo_harness import speed
-from ppo_harness.trunk import frozen_trunk
+from ppo_harness.forwards import frozen_trunk
 
 PAD, CONTEXT, RESPONSE = 31, 5, 6
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
-from ppo_harness.trunk import adapter_free_trunk, frozen_trunk
+from ppo_harness.forwards import adapter_free_trunk, frozen_trunk
 from ppo_harness.saved_models import VALUE_HEAD_FILE, load_value_head
 from conftest import REWARD_FN, build_models, run_ppo, tiny_args, without_wall_clock
 

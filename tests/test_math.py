@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ppo
-from ppo_harness.fused_head import head_logprobs
+from ppo_harness.forwards import head_logprobs
 
 F64 = dict(rtol=1e-10, atol=1e-12)  # float64 helpers vs float64 loops
 F32 = dict(rtol=1e-5, atol=1e-6)  # helpers that compute in float32

@@ -10,13 +10,14 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
 from ppo_harness.reward_fns import load_reward_fn
 from ppo_harness import speed
-from ppo_harness.trunk import check_trunks, frozen_trunk, trunk_is_exact
+from ppo_harness.forwards import check_trunks, frozen_trunk, trunk_is_exact
 from ppo_harness.reward_calls import call_reward_fn, reward_fn_kwargs
 from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer, run_ppo,
                       tiny_args, without_wall_clock, write_config_dataset)
@@ -542,7 +543,7 @@ def test_the_trunk_kept_while_sampling_is_a_full_forwards(tmp_path, arch):
     the policy afterwards. The start-up check accepts it, and refuses a cache that drifts."""
     from accelerate import Accelerator
 
-    from ppo_harness.trunk import check_kept_trunk, keep_trunk
+    from ppo_harness.forwards import check_kept_trunk, keep_trunk
 
     policy = AutoModelForCausalLM.from_pretrained(build_models(tmp_path, arch=arch)["sft"]).eval()
     queries = ppo.left_pad([[3, 4, 5, 6, 7], [3, 4, 10], [8, 4, 13, 14], [3, 16]], PAD)
@@ -550,14 +551,14 @@ def test_the_trunk_kept_while_sampling_is_a_full_forwards(tmp_path, arch):
                                  ds3_gather_for_generation=True)
     accelerator = Accelerator(cpu=True)
     wrapper = ppo.PolicyAndValueWrapper(policy)  # what `policy_for_generation` unwraps
-    with torch.no_grad(), keep_trunk(policy, 1) as kept:
+    with torch.no_grad(), keep_trunk(policy, 1) as kept_trunk:
         responses, _ = ppo.sample_responses(accelerator, wrapper, queries, args, False, PAD, 7,
                                             torch.Generator().manual_seed(0))
     assert not policy._forward_hooks and not policy._forward_pre_hooks
     assert not ppo.transformer_blocks(policy)[1][0]._forward_hooks
-    responses = ppo.pad_columns(responses, responses.size(1) + 1, PAD)  # as phase 1 pads them
+    responses = F.pad(responses, (0, 1), value=PAD)  # as phase 1 pads them
     qr = torch.cat((queries, responses), 1)
-    trunk, real = kept.trunk(qr.size(1)), qr != PAD
+    trunk, real = kept_trunk(qr.size(1)), qr != PAD
     with torch.no_grad():
         torch.testing.assert_close(trunk[0][real], frozen_trunk(policy, qr, PAD, 1, ppo.model_inputs)[real],
                                    rtol=1e-5, atol=1e-5)
@@ -582,7 +583,7 @@ def test_the_fused_head_stands_in_for_the_pages_forward_where_its_probe_agrees(t
     gradients (an entropy bonus's too) to float32 rounding, left padding and a tied head (llama) included, with a
     value head and with a value model. Refused, by name on the banner: a head with a bias, an edited `scale_logits`
     (a sharper temperature the fused head would bypass), --no-fast-paths, a compiled training step."""
-    from ppo_harness.fused_head import FusedHeadForward, fused_head
+    from ppo_harness.forwards import FusedHeadForward, fused_head
 
     paths = build_models(tmp_path, arch=arch)
     policy = AutoModelForCausalLM.from_pretrained(paths["sft"])

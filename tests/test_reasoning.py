@@ -409,6 +409,10 @@ def test_critic_free_estimators_leave_the_value_head_at_zero(assets, tmp_path):
     (["--advantage-estimator", "rloo", "--num-generations", "2", "--lam-critic", "1"], "--lam-critic acts on"),
     (["--positive-threshold", "0.5"], "--positive-threshold selects"),
     (["--value-warmup-updates", "2"], "--value-warmup-updates 2: the run has 2 updates"),
+    # flags that could not act without a critic: a value model loaded and never trained, whitening GAE never reads
+    (["--advantage-estimator", "grpo", "--num-generations", "2", "--value-model-path", "M"], "--value-model-path acts"),
+    (["--advantage-estimator", "rloo", "--num-generations", "2", "--whiten-rewards"], "--whiten-rewards acts on"),
+    (["--advantage-estimator", "grpo", "--num-generations", "2", "--critic-epochs", "1"], "--critic-epochs acts on"),
 ])
 def test_flag_combinations_are_refused_by_name(assets, tmp_path, flags, message):
     proc, _ = run_ppo(args_for(assets, "--total-episodes", "32", *flags), tmp_path, check=False)

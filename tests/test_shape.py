@@ -2,8 +2,8 @@
 checkout): an edit made in place is never failed here, and a copy is not measured at all. Size is read as a reader
 reads it: lines, with a statement split over lines where it is long (at most a tenth of a file's lines over 100
 columns, so nothing is merged to save lines), and prose (full-line comments and docstrings) at most a third of a
-script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,700 lines and its `main`
-in at most 200; `generate` is the plain sampling loop, at most 20 lines; no function of either script takes a speed
+script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,720 lines (1,700 when the
+page was made plain, and 20 the critic's own lr and epochs added) and its `main` in at most 200; `generate` is the plain sampling loop, at most 20 lines; no function of either script takes a speed
 choice as a parameter (the README's ledger: a hand-written speed path is a wrapper named at one line of `main`); the
 harness keeps to 100 columns on nine lines in ten; the README and benchmarks/README.md at most 300 lines."""
 import ast
@@ -18,8 +18,9 @@ import pytest
 
 from conftest import ROOT
 
-# script: (lines, lines of `main`)
-LIMITS = {"ppo.py": (1_700, 200), "ppo_tldr.py": (1_150, 160)}
+# script: (lines, lines of `main`); ppo.py: 1,700 for the plain page's features, + 20 for --critic-learning-rate,
+# --critic-epochs and the warm-up that waits
+LIMITS = {"ppo.py": (1_720, 200), "ppo_tldr.py": (1_150, 160)}
 # parameter names that would thread a speed choice through the page (what the ledger's wrappers replaced)
 SPEED_PARAMETERS = {"shortcuts", "kept", "keep", "fused_head", "static", "static_step", "pieces", "fast_paths"}
 
@@ -98,15 +99,15 @@ def test_the_harness_keeps_to_100_columns_on_nine_lines_in_ten():
 
 
 def test_the_walk_from_the_update_loop_to_the_first_optimizer_step_does_not_grow():
-    """tests/walk.py's trace of the default run on tiny models (the working tree's ppo.py): at most the 59 functions
-    in 7 files it opened when the speed layer left the page, the fused head's 6 included (tests/README.md lists them;
-    the aim is 35 in 4)."""
+    """tests/walk.py's trace of the default run on tiny models (the working tree's ppo.py): at most the 52 functions
+    in 4 files it opened when the ledger's forwards became one module, the fused head's 4 included (tests/README.md
+    lists them; the aim is 35)."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "walk.py"), "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     walk = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ("ppo.py", "ppo_loss") in map(tuple, walk["walk"]) and ("ppo.py", "generate") in map(tuple, walk["walk"])
-    assert len(walk["walk"]) <= 59 and len(walk["files"]) <= 7, walk
+    assert len(walk["walk"]) <= 52 and len(walk["files"]) <= 4, walk
 
 
 @pytest.mark.parametrize("document, most", [("README.md", 300), ("benchmarks/README.md", 300)])

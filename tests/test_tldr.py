@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -282,14 +283,14 @@ def test_responses_are_response_length_wide_when_every_row_stops_early():
 
     responses, logprobs = ppo_tldr.generate(AlwaysEos(), torch.tensor([[1, 2], [7, 3]]), 7, sampling(6, 0.7), stop_token_id=0)
     assert responses.tolist() == [[0]] * 2  # the eos, and sampling stops
-    responses, logprobs = ppo_tldr.pad_columns(responses, 6, 7), ppo_tldr.pad_columns(logprobs, 6, 1.0)
+    responses, logprobs = F.pad(responses, (0, 5), value=7), F.pad(logprobs, (0, 5), value=ppo_tldr.INVALID_LOGPROB)
     assert responses.tolist() == [[0, 7, 7, 7, 7, 7]] * 2
     assert (logprobs[:, 1:] == ppo_tldr.INVALID_LOGPROB).all() and (logprobs[:, 0] <= 0).all()
     sequence_lengths = ppo_tldr.first_true_indices(responses == 7) - 1
     assert ppo_tldr.score_positions(sequence_lengths, responses.size(1)).tolist() == [1, 1]  # one past the eos
     source = (ROOT / "ppo_tldr.py").read_text()  # phase 1 pads both, before anything reads them
-    assert "responses = pad_columns(responses, args.response_length, pad_token_id)" in source
-    assert "logprobs = pad_columns(logprobs, args.response_length, INVALID_LOGPROB)" in source
+    assert "responses = F.pad(responses, (0, args.response_length - responses.size(1)), value=pad_token_id)" in source
+    assert "logprobs = F.pad(logprobs, (0, args.response_length - logprobs.size(1)), value=INVALID_LOGPROB)" in source
 
 
 # ---------------------------------------------------------------------------------------------------------------
