@@ -383,6 +383,10 @@ def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
 
 
+# ALGO LOGIC: a truncation of the distribution (top-k, top-p) goes here, where sampling's and every
+# training forward's logits pass, so that the log-probs stored while sampling are the distribution
+# sampled from and training scores the same one: on-policy (truncated in `sample_next` alone, the
+# rollout is off-policy, and the quick check says so)
 def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) -> torch.Tensor:
     """logits / (T + 1e-7) in float32 or wider, pad never sampled; in every forward (N+ detail
     23)."""
@@ -917,8 +921,7 @@ def generate(policy, queries, pad_token_id, args, stop_token_id=None, generator=
 def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, synced):
     """One step, temperature only (transformers#42762): (token, log-prob, rows finished, all
     done, on all if synced)"""
-    # ALGO LOGIC: top-p, top-k... here; the token's log-prob must stay training's (`scale_logits`:
-    # on-policy)
+    # the distribution sampled is `scale_logits`', the one training scores (a truncation goes there)
     logits = scale_logits(logits, args.temperature, pad_token_id)
     uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
     token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)

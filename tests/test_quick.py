@@ -5,21 +5,27 @@ update (a copier's edited forward that the trunk no longer matches is refused at
 A run of four updates
 resumed from its second and from its third checkpoint gives the rest of the run again, its final model too (what
 the loop keeps across updates is in the checkpoint). At learning rate 0 the policy is the reference, so the ratio
-is 1 and the KL 0 (sampling's log-probs are training's: the rollout is on-policy).
+is 1 and the KL 0 (sampling's log-probs are training's), and the tokens `sample_next` draws follow the
+distribution training scores (`scale_logits`'): the rollout is on-policy.
 
     HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q -p no:cacheprovider
     PPO_SCRIPT=my_ppo.py PPO_ARGS="--my-flag 0.3" HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
 
 A copy lives beside the original, where it finds ppo_harness/; PPO_ARGS and PPO_TLDR_ARGS add flags to every run."""
+import importlib.util
 import math
 import os
 import shlex
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_run, run_ppo, tiny_args
+import tyro
+
+from conftest import ROOT, assert_same_run, run_ppo, tiny_args
 from test_tldr import tiny_args as tldr_args
 from test_tldr import tldr  # noqa: F401 (the TL;DR fixture: tiny models with a biased reward model, posts)
 
@@ -91,3 +97,86 @@ def test_at_learning_rate_0_the_rollout_is_on_policy(request, assets, tmp_path, 
                       script=SCRIPTS[kind])
     assert rows[0]["val/ratio"] == pytest.approx(1.0, abs=1e-4), "off-policy: sampling's log-probs are not training's"
     assert abs(rows[0]["objective/kl"]) < 1e-3 and rows[0]["policy/clipfrac_avg"] == 0
+
+
+def load_script(path: str):
+    """A script (or a copy beside it) as a module, without running its `main`."""
+    path = Path(path) if Path(path).is_absolute() else ROOT / path
+    spec = importlib.util.spec_from_file_location(f"quick_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def sampled_against_scored(script, args, rows: int = 20_000, vocab: int = 40, pad: int = 3, seed: int = 0):
+    """(the total variation between the tokens `sample_next` draws from one set of logits and the distribution
+    training scores, softmax of `scale_logits`; the largest gap between the log-prob it returns and training's).
+    Sampling alike: about 0.02 at 20,000 draws; a truncation applied in `sample_next` alone: its tail's mass."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(vocab, generator=g) * 2.0).expand(rows, vocab).clone()
+    with torch.no_grad():
+        token, logprob, _, _ = script.sample_next(logits.clone(), args, pad, g, torch.zeros(rows, dtype=torch.bool),
+                                                  None, False)
+        scored = torch.log_softmax(script.scale_logits(logits[:1].clone(), args.temperature, pad), -1)[0].double()
+    drawn = torch.bincount(token.view(-1), minlength=vocab).double() / rows
+    tv = 0.5 * (drawn - scored.exp()).abs().sum().item()
+    return tv, (logprob.view(-1).double() - scored[token.view(-1)]).abs().max().item()
+
+
+def assert_samples_what_training_scores(script, args) -> None:
+    tv, gap = sampled_against_scored(script, args)
+    assert gap < 1e-5, (f"off-policy: the log-prob sample_next returns differs from training's (scale_logits') by "
+                        f"{gap:.3g}: return the log-prob of the distribution training scores")
+    assert tv < 0.05, (f"off-policy: sample_next draws from another distribution than training scores (total "
+                       f"variation {tv:.3f} over 20,000 draws): a truncation (top-k, top-p) applied while sampling "
+                       "must be applied in scale_logits, which every training forward uses too")
+
+
+@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+def test_sampling_draws_from_the_distribution_training_scores(kind):
+    """The tokens `sample_next` draws (20,000 from one set of logits) follow softmax(scale_logits(...)), the
+    distribution every training forward scores, and the log-prob it returns is that distribution's: a sampling rule
+    applied in `sample_next` alone samples one distribution and trains on another (the rollout is off-policy, and a
+    ratio of 1 at lr 0 cannot see it)."""
+    script = load_script(SCRIPTS[kind])
+    assert_samples_what_training_scores(script, tyro.cli(script.Args, args=EXTRA[kind]))
+
+
+
+TOP_P = '''
+def top_p(logits, p=0.8):
+    """The nucleus: logits outside the smallest set of tokens holding p of the mass set to the lowest value."""
+    probs = torch.softmax(logits, -1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    outside = (sorted_probs.cumsum(-1) - sorted_probs) >= p
+    return logits.masked_fill(outside.scatter(-1, order, outside), torch.finfo(logits.dtype).min)
+
+
+'''
+
+
+def test_top_p_in_sample_next_alone_is_off_policy_and_in_scale_logits_is_not(tmp_path):
+    """Nucleus sampling written two ways in a copy of ppo.py: truncating only what `sample_next` samples from (the
+    naive edit, whose stored log-probs are the full distribution's) fails the check, naming the cause; truncating in
+    `scale_logits`, where training's forwards pass too, passes it."""
+    source = (ROOT / "ppo.py").read_text()
+    marker = "# ALGO LOGIC: a truncation of the distribution"
+    sampled = "token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)"
+    scaled = "logits[..., pad_token_id] = torch.finfo(logits.dtype).min\n    return logits"
+    assert source.count(marker) == source.count(sampled) == source.count(scaled) == 1
+    with_top_p = source.replace(marker, TOP_P + marker)
+    copies = {"naive": with_top_p.replace(sampled, sampled.replace("softmax(logits", "softmax(top_p(logits)")),
+              "right": with_top_p.replace(scaled, scaled.replace("return logits", "return top_p(logits)"))}
+    verdicts = {}
+    for name, text in copies.items():
+        (tmp_path / f"ppo_{name}.py").write_text(text)
+        script = load_script(str(tmp_path / f"ppo_{name}.py"))
+        try:
+            assert_samples_what_training_scores(script, script.Args())
+            verdicts[name] = "passed"
+        except AssertionError as e:
+            verdicts[name] = str(e)
+    assert verdicts["right"] == "passed"
+    assert "sample_next draws from another distribution than training scores" in verdicts["naive"]
+    assert "must be applied in scale_logits" in verdicts["naive"]
