@@ -101,9 +101,14 @@ class VerlComputeScore:
 
     @staticmethod
     def scores(outs: list, log_extra, log_metric) -> list:
-        """Each row's score, a dict's `score`; the dicts' other keys logged."""
+        """Each row's score, a dict's `score`; the dicts' other keys logged. A dict without `score`
+        is refused, as verl refuses it (KeyError 'score'), not read as a None."""
         scores, extra = [], {}
         for i, out in enumerate(outs):
+            if isinstance(out, dict) and "score" not in out:
+                raise ValueError(f"compute_score returned a dict without 'score' for row {i} (keys: "
+                                 f"{', '.join(map(str, out)) or 'none'}); verl reads the row's score from "
+                                 "out['score']: return {'score': value, ...} (None: the row is not judged)")
             if isinstance(out, dict):
                 for key, value in out.items():
                     if key != "score":

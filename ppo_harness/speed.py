@@ -26,13 +26,17 @@ from ppo_harness.forwards import unpeft
 def should_compile(args, accelerator, num_updates: int, pays_back_after: int = 40) -> bool:
     """--compile: on, off, or auto: on for one CUDA process, without DeepSpeed, in a run of at least
     `pays_back_after` updates, where compiling pays back (benchmarks/README.md#gpu). Several
-    processes (DDP) compile with --compile on only: not yet measured on several GPUs. DeepSpeed's
-    engine is refused by name. Sets the compile cache's folder (`compile_cache`)."""
+    processes are refused by name, before any model loads: DeepSpeed's engine runs its own forward
+    hooks, and dynamo fails on DDP's forward at the first training step (its Logger's
+    set_runtime_stats_and_log). Sets the compile cache's folder (`compile_cache`)."""
     deepspeed = accelerator.state.deepspeed_plugin is not None
     if args.compile == "on" and deepspeed:
         raise ValueError("--compile on: DeepSpeed's engine runs its own forward hooks, which are "
-                         "not compiled here; use --compile off (or auto) with "
-                         "DeepSpeed, or a DDP launch")
+                         "not compiled here; use --compile off (or auto) with DeepSpeed")
+    if args.compile == "on" and accelerator.num_processes > 1:
+        raise ValueError(f"--compile on: {accelerator.num_processes} processes (DDP), whose forward "
+                         "torch.compile cannot trace here (it fails at the first training step); "
+                         "use --compile off (or auto, which compiles one process only)")
     compiled = args.compile == "on" or (args.compile == "auto" and accelerator.device.type == "cuda"
                                         and not deepspeed and accelerator.num_processes == 1
                                         and num_updates >= pays_back_after)

@@ -497,8 +497,8 @@ def test_numpy_scalars_and_bools_are_scores():
 
 def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspeed_never(monkeypatch):
     """--compile auto: on for one CUDA process without DeepSpeed in a run of at least 40 updates; off on the CPU, for
-    several processes, under DeepSpeed or in a short run. --compile on under DeepSpeed is refused by name; on sets the
-    compile cache's folder."""
+    several processes, under DeepSpeed or in a short run. --compile on under DeepSpeed or on several processes is
+    refused by name; on sets the compile cache's folder."""
     from types import SimpleNamespace as NS
 
     from ppo_harness.speed import should_compile
@@ -517,5 +517,7 @@ def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspe
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("torch_compile")
     with pytest.raises(ValueError, match="--compile on: DeepSpeed"):
         should_compile(NS(compile="on"), accelerator(deepspeed=object()), 1000)
+    with pytest.raises(ValueError, match=r"--compile on: 2 processes \(DDP\)"):  # dynamo fails on DDP's forward
+        should_compile(NS(compile="on"), accelerator(processes=2), 1000)
 
 

@@ -160,6 +160,17 @@ def test_verls_extra_info_carries_verls_keys_and_async_scorers_are_awaited():
     assert scores.tolist() == [1.0, 0.0] and logs.columns["turns"] == [2, 2]
 
 
+def test_a_verl_dict_without_score_is_refused_naming_the_key():
+    """verl raises KeyError 'score' on such a dict; read as a None, the row would count for nothing beside a reward
+    model (the only trace objective/scores_none at 1.0), or alone stop the run saying the function returned None."""
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"acc": float(ground_truth in solution_str)}
+    rows = dict(completions=["w7", "w8"], prompts=["a", "b"], data_source=["d", "d"],
+                reward_model=[{"ground_truth": "w7"}] * 2, **RewardLogs(2).keywords())
+    with pytest.raises(RuntimeError, match=r"--reward-fn f.*dict without 'score' for row 0 \(keys: acc\)"):
+        call_reward_fn(VerlComputeScore(compute_score, "f"), rows, "cpu", "f")
+
+
 def verl_rows(n: int) -> list[dict]:
     """Rows in verl's layout (its gsm8k.py preprocessing): data_source, a chat prompt, ability, reward_model with the
     ground truth, extra_info."""
