@@ -43,8 +43,9 @@ TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01
 RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
     "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
-    "save_at_end", "save_total_limit", "resume", "overwrite", "resume_with_changes", "peer_timeout",
-    "trust_remote_code", "ds3_gather_for_generation", "eval_samples", "compile"}
+    "save_at_end", "save_total_limit", "push_to_hub", "hub_model_id", "hub_private_repo", "resume", "overwrite",
+    "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation", "eval_samples",
+    "compile"}
 
 
 # ALGO LOGIC: a new flag: a field and its docstring; a number's interval: Annotated[int, "[0, 9)"]
@@ -163,6 +164,12 @@ class Args:
     """save the models and a checkpoint after the last update (off: only the logs: a benchmark)"""
     save_total_limit: Annotated[int | None, "[1, inf)"] = None
     """keep only the newest N checkpoints (None: keep all)"""
+    push_to_hub: bool = False
+    """at the end, push the saved models, the logs and a model card to the Hugging Face Hub"""
+    hub_model_id: str | None = None
+    """the Hub repository to push to (default: your namespace / the run's name)"""
+    hub_private_repo: bool = False
+    """create that repository private"""
     resume: str | None = None
     """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if
     none, start)"""

@@ -13,6 +13,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 
+from ppo_harness.hub import check_hub
+
 
 def in_interval(value: float, interval: str) -> bool:
     """Whether `value` lies in an interval written like "[0, 1)" (NaN lies in none)."""
@@ -51,6 +53,7 @@ def check_flags(args) -> None:
     if unknown:
         raise ValueError(f"--resume-with-changes {' '.join(sorted(unknown))}: no such flag")
     check_flags_act(args)
+    check_hub(args)  # --push-to-hub: the Hub reachable now, not after the run
     for name, choices in flag_choices(type(args)).items():
         if getattr(args, name) not in choices:
             raise ValueError(f"unknown --{name.replace('_', '-')} {getattr(args, name)!r}: "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from ppo_harness.checkpoints import save_checkpoint
+from ppo_harness.hub import push_run
 from ppo_harness.preemption import Preemption
 from ppo_harness.run_folder import RunFolder
 from ppo_harness.run_log import RunLog, print_banner
@@ -64,9 +65,12 @@ class Run:
         return stopping
 
     def finish(self, update: int, last: bool, stopping: bool) -> None:
-        """The logs closed; every process leaves together (one that exits while gloo or NCCL threads
-        run can abort); a run stopped by a signal exits with code 143, naming its checkpoint."""
+        """The logs closed; a finished run pushed to the Hub (--push-to-hub); every process leaves
+        together (one that exits while gloo or NCCL threads run can abort); a run stopped by a
+        signal exits with code 143, naming its checkpoint."""
         self.log.close()
+        if last and getattr(self.args, "push_to_hub", False) and self.accelerator.is_main_process:
+            push_run(self.args, self.folder.path, self.folder.run_name, self.console)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         if stopping and not last:

@@ -2,8 +2,8 @@
 checkout): an edit made in place is never failed here, and a copy is not measured at all. Size is read as a reader
 reads it: lines, with a statement split over lines where it is long (at most a tenth of a file's lines over 100
 columns, so nothing is merged to save lines), and prose (full-line comments and docstrings) at most a third of a
-script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,720 lines (1,700 when the
-page was made plain, and 20 the critic's own lr and epochs added) and its `main` in at most 200; `generate` is the plain sampling loop, at most 20 lines; no function of either script takes a speed
+script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,730 lines (1,700 when the
+page was made plain, 20 the critic's own lr and epochs added, 6 --push-to-hub's flags) and its `main` in at most 200; `generate` is the plain sampling loop, at most 20 lines; no function of either script takes a speed
 choice as a parameter (the README's ledger: a hand-written speed path is a wrapper named at one line of `main`); the
 harness keeps to 100 columns on nine lines in ten; the README and benchmarks/README.md at most 300 lines."""
 import ast
@@ -19,8 +19,8 @@ import pytest
 from conftest import ROOT
 
 # script: (lines, lines of `main`); ppo.py: 1,700 for the plain page's features, + 20 for --critic-learning-rate,
-# --critic-epochs and the warm-up that waits
-LIMITS = {"ppo.py": (1_720, 200), "ppo_tldr.py": (1_150, 160)}
+# --critic-epochs and the warm-up that waits, + 10 for --push-to-hub's flags and the truncation marker
+LIMITS = {"ppo.py": (1_730, 200), "ppo_tldr.py": (1_150, 160)}
 # parameter names that would thread a speed choice through the page (what the ledger's wrappers replaced)
 SPEED_PARAMETERS = {"shortcuts", "kept", "keep", "fused_head", "static", "static_step", "pieces", "fast_paths"}
 
