@@ -1,4 +1,5 @@
 """Checkpoints, exact resume, a SIGKILL during a checkpoint write, and the guards that protect a long run."""
+import contextlib
 import json
 import os
 import shutil
@@ -184,22 +185,54 @@ def test_remote_code_runs_only_when_allowed(tmp_path):
     assert marker.exists()
 
 
-def test_the_quick_checks_resume_finds_state_left_out_of_the_checkpoint(assets, tmp_path):
-    """The quick check's resume case on a copy whose reference is reset to the policy at the start of update 3
-    without being checkpointed (`accelerator.register_for_checkpointing`): the run resumed from checkpoint 3 trains
-    update 4 against the SFT reference, and the check fails."""
+@pytest.mark.parametrize("period", [2, 3, 4])
+def test_the_quick_checks_resume_finds_a_reference_reset_left_out_of_the_checkpoint(assets, tmp_path, period):
+    """The quick check's resume case on a copy whose reference is reset to the policy every `period` updates without
+    being checkpointed (`accelerator.register_for_checkpointing`): the run resumed from the checkpoint of a reset
+    update trains the next against the SFT reference, and the check fails, saying what to check."""
     from test_quick import resumes_give_the_same_run
 
+    reset = (f"        if update % {period} == 0:\n"
+             "            models.ref_policy.load_state_dict(models.policy.state_dict())\n")
+    with edited_copy("        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef)", reset, before=True) as script:
+        with pytest.raises(AssertionError, match="not in the checkpoint: save it in phase 8's"):
+            resumes_give_the_same_run(quick_resume_args(assets), tmp_path, script.name)
+
+
+def test_the_quick_checks_resume_finds_an_early_end_whose_state_is_lost_and_passes_a_stateless_one(assets, tmp_path):
+    """An early end decided at update 2 and taken at update 4, its decision not checkpointed: resumed from checkpoint 2
+    or 3, the run goes on to update 5 and the check fails by name. An early end read from `update` alone passes."""
+    from test_quick import resumes_give_the_same_run
+
+    decided = ("        if update == 2:\n            stop_at = 4\n"
+               "        last = last or (stop_at is not None and update >= stop_at)\n")
+    init = "    stop_at = None  # an early end's decision, kept across updates (not checkpointed)\n"
+    with edited_copy(EARLY_END, decided, before=False, also=(STATE_MARKER, init)) as script:
+        with pytest.raises(AssertionError, match="the run logged updates \\[3, 4, 5\\], the uninterrupted one \\[3, 4\\]"):
+            resumes_give_the_same_run(quick_resume_args(assets), tmp_path / "lost", script.name)
+    with edited_copy(EARLY_END, "        last = last or update >= 3\n", before=False) as script:
+        resumes_give_the_same_run(quick_resume_args(assets), tmp_path / "kept", script.name)
+
+
+EARLY_END = "        # saved as the last (a condition on held-out eval/* metrics: after `evaluate` below)\n"
+STATE_MARKER = "    score_moments = RunningMoments(**(run.saved or {}).get(\"score_moments\", {}))\n"
+
+
+def quick_resume_args(assets):
+    return tiny_args(assets, "--eval-samples", "4", "--num-trainable-layers", "1", "--shared-value-head",
+                     "--total-episodes", "80", "--save-every", "1", "--eval-every", "1")
+
+
+@contextlib.contextmanager
+def edited_copy(marker: str, text: str, before: bool, also=None):
+    """A copy of ppo.py beside it (as a copier makes one) with `text` put before or after the line `marker`."""
     source = (ROOT / "ppo.py").read_text()
-    marker = "        # ALGO LOGIC: schedules (lr, args.temperature, kl_coef)"
-    assert source.count(marker) == 1
-    reset = "        if update == 3:\n            models.ref_policy.load_state_dict(models.policy.state_dict())\n"
-    script = ROOT / f"ppo_reset_{os.getpid()}.py"  # a copy beside ppo.py, as a copier makes one
-    script.write_text(source.replace(marker, reset + marker))
+    for m, t, b in [(marker, text, before), *([(also[0], also[1], False)] if also else [])]:
+        assert source.count(m) == 1, m
+        source = source.replace(m, t + m if b else m + t)
+    script = ROOT / f"ppo_edited_{os.getpid()}.py"
+    script.write_text(source)
     try:
-        args = tiny_args(assets, "--eval-samples", "0", "--num-trainable-layers", "1", "--shared-value-head",
-                         "--total-episodes", "64", "--save-every", "1")
-        with pytest.raises(AssertionError):
-            resumes_give_the_same_run(args, tmp_path, script.name)
+        yield script
     finally:
         script.unlink()

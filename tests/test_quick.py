@@ -2,9 +2,9 @@
 it, trains short runs on tiny models. One through the README ledger's hand-written paths (ppo.py: the frozen trunk
 run once per update; ppo_tldr.py: the static-cache sampler, uncompiled) and one with --no-fast-paths agree update by
 update (a copier's edited forward that the trunk no longer matches is refused at start-up, so the two still agree).
-A run of four updates
-resumed from its second and from its third checkpoint gives the rest of the run again, its final model too (what
-the loop keeps across updates is in the checkpoint). At learning rate 0 the policy is the reference, so the ratio
+A run of five updates,
+evaluated after each, resumed from every checkpoint gives the rest of the run again, its final model too (what the
+loop keeps across updates is in the checkpoint). At learning rate 0 the policy is the reference, so the ratio
 is 1 and the KL 0 (sampling's log-probs are training's), and the tokens `sample_next` draws follow the
 distribution training scores (`scale_logits`'): the rollout is on-policy.
 
@@ -64,29 +64,42 @@ def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwa
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
-def test_a_resume_from_any_late_checkpoint_gives_the_rest_of_the_run_again(request, assets, tmp_path, kind):
+def test_a_resume_from_every_checkpoint_gives_the_rest_of_the_run_again(request, assets, tmp_path, kind):
     """State the loop carries from one update to the next (its ALGO LOGIC markers at the checkpoint and after
-    `start_run`) must be saved: a run of 4 updates resumed into a new folder from its second and from its third
-    checkpoint gives the same later updates and the same final model. State set at any update up to the third (a
-    reference reset every k updates, say) is lost by one of these resumes if the checkpoint lacks it."""
-    resumes_give_the_same_run([*quick_args(request, assets, kind, updates=4), "--save-every", "1"], tmp_path,
-                              SCRIPTS[kind])
+    `start_run`) must be saved: a run of 5 updates, evaluated after each, resumed into a new folder from each of its
+    checkpoints gives the same later updates and the same final model. State set at any period up to 4 updates (a
+    reference reset every k updates, an early end decided at one update and taken at a later one) is lost by one of
+    these resumes if the checkpoint lacks it. A run that ends early on purpose passes."""
+    args = [*quick_args(request, assets, kind, updates=5), "--save-every", "1", "--eval-every", "1"]
+    resumes_give_the_same_run(args, tmp_path, SCRIPTS[kind])
+
+
+LOST_STATE = ("state the loop keeps across updates is not in the checkpoint: save it in phase 8's `state = dict(...)` "
+              "and read it back after `start_run` (a model the loop changes: accelerator.register_for_checkpointing)")
 
 
 def resumes_give_the_same_run(args: list[str], tmp_path, script: str) -> None:
-    """A 4-update run, then resumed from its checkpoints 2 and 3 into new folders: the same later updates (metrics
-    to 1e-6) and the same final model."""
+    """A run, then resumed from each of its checkpoints before the last into new folders: the same later updates
+    (metrics to 1e-6) and the same final model, each failure said with what differed and what to check."""
     _, whole = run_ppo(args, tmp_path / "whole", script=script)
-    assert len(whole) == 4
+    assert whole, "the run logged no update"
+    last = whole[-1]["update"]  # an early end (phase 7's ALGO LOGIC marker) ends before --total-episodes
     final = load_file(tmp_path / "whole" / "model.safetensors")
-    for k in (2, 3):
+    for k in range(1, last):
         checkpoint = tmp_path / "whole" / "checkpoints" / f"update-{k:06d}"
         _, resumed = run_ppo([*args, "--resume", str(checkpoint)], tmp_path / f"from-{k}", script=script)
-        assert [r["update"] for r in resumed] == list(range(k + 1, 5))
-        assert_same_run(resumed, whole[k:], rel=1e-6)
+        got, want = [r["update"] for r in resumed], list(range(k + 1, last + 1))
+        assert got == want, (f"resumed from checkpoint {k}, the run logged updates {got}, the uninterrupted one "
+                             f"{want}: {LOST_STATE}")
+        try:
+            assert_same_run(resumed, whole[k:], rel=1e-6)
+        except AssertionError as e:
+            raise AssertionError(f"resumed from checkpoint {k}, a metric differs from the uninterrupted run's "
+                                 f"({e}): {LOST_STATE}") from None
         model = load_file(tmp_path / f"from-{k}" / "model.safetensors")
         assert model.keys() == final.keys() and all(torch.allclose(model[n], final[n], rtol=1e-6, atol=1e-7)
-                                                    for n in final), f"the final model differs after a resume from {k}"
+                                                    for n in final), (
+            f"resumed from checkpoint {k}, the final model differs: {LOST_STATE}")
 
 
 @pytest.mark.parametrize("kind", ["ppo", "tldr"])
