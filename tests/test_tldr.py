@@ -122,6 +122,41 @@ def test_truncation_without_newlines_cuts_words_then_characters():
     assert query == ppo_tldr.format_query("r", "t", "abcd") and len(ids) == full + 4
 
 
+def sfd_truncation(encode, subreddit, title, post, max_query_length):
+    """SFD's loop: cut at the last newline (else space, else a character) and encode again, until it fits."""
+    while len(encode(ppo_tldr.format_query(subreddit, title, post))) > max_query_length:
+        cut = post.rfind("\n")
+        cut = post.rfind(" ") if cut < 0 else cut
+        post = post[:cut] if cut >= 0 else post[:-1]
+    return ppo_tldr.format_query(subreddit, title, post)
+
+
+def test_truncation_is_sfds_loop_and_encodes_a_long_post_a_few_times():
+    """The same query as SFD's cut-and-encode loop on random posts (paragraphs, words, one long word) at every
+    budget, words or characters as tokens; a 22,000-word post without a newline (SFD's loop: an encode per word, about
+    18 minutes on a real tokenizer) takes at most 40 encodes."""
+    _, words = word_tokenizer()
+    chars = lambda text: list(text)  # noqa: E731
+    rng = random.Random(7)
+    for _ in range(40):
+        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(1, 4))]
+        post = "\n".join(paragraphs) + rng.choice(["", " w1w2w3w4w5"])
+        for encode in (words, chars):
+            full = len(encode(ppo_tldr.format_query("w9", "w1", post)))
+            for budget in range(len(encode(ppo_tldr.format_query("w9", "w1", ""))), full + 2):
+                assert ppo_tldr.truncate_query(encode, "w9", "w1", post, budget)[0] == sfd_truncation(
+                    encode, "w9", "w1", post, budget), (post, budget)
+    calls = []
+
+    def counted(text):
+        calls.append(1)
+        return words(text)
+    post = [rng.choice(WORDS) for _ in range(22_000)]
+    query, ids = ppo_tldr.truncate_query(counted, "w9", "w1", " ".join(post), 100)
+    kept = 100 - len(words(ppo_tldr.format_query("w9", "w1", "")))  # a word a token: SFD's loop keeps these
+    assert len(ids) == 100 and len(calls) <= 40 and query == ppo_tldr.format_query("w9", "w1", " ".join(post[:kept]))
+
+
 def test_truncation_refuses_a_title_that_alone_overflows():
     _, encode = word_tokenizer()
     with pytest.raises(ValueError, match="--max-query-length 8 is too small"):
