@@ -68,9 +68,24 @@ class CompileWatch:
 
 def compile_cache(root: str = "cache/torch_compile") -> str:
     """Where torch.compile keeps its artefacts (inductor's FX graph cache, autotuning, kernels), so
-    that a second run of the same shapes starts warm: TORCHINDUCTOR_CACHE_DIR if set, else `root`
-    beside the run's other caches."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(root).resolve()))
+    that a second run of the same shapes starts warm: TORCHINDUCTOR_CACHE_DIR if the user set it,
+    else `root` beside the run's other caches. Importing peft already exported inductor's default
+    (under /tmp), so that value counts as unset. A folder that cannot be written is refused by
+    name (else the compiled files would go nowhere a second run finds)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        given = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(root).resolve())
+    try:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        probe = Path(given) / f".writable-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--compile: the compile cache {given} cannot be written ({e.strerror}); make it "
+                         "writable, or set TORCHINDUCTOR_CACHE_DIR to a folder that is") from None
+    return given
 
 
 def ready_to_compile(*models) -> None:

@@ -515,6 +515,15 @@ def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspe
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert should_compile(NS(compile="on"), accelerator("cpu"), 1)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("torch_compile")
+    # importing peft exports inductor's default (under /tmp): that counts as unset, and the project's cache applies
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert should_compile(NS(compile="on"), accelerator("cpu"), 1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("torch_compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/proc/no-such-cache")  # a folder that cannot be written
+    with pytest.raises(ValueError, match="the compile cache /proc/no-such-cache cannot be written"):
+        should_compile(NS(compile="on"), accelerator("cpu"), 1)
     with pytest.raises(ValueError, match="--compile on: DeepSpeed"):
         should_compile(NS(compile="on"), accelerator(deepspeed=object()), 1000)
     with pytest.raises(ValueError, match=r"--compile on: 2 processes \(DDP\)"):  # dynamo fails on DDP's forward
