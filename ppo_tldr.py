@@ -309,9 +309,10 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -torch.where(p > 0, p * logp, 0).sum(-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # none unmasked (unjudged rows): 0, not NaN
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    # none unmasked (unjudged rows): 0, not NaN; dim=1: each row's own mean (a sequence-level
+    # objective, as GSPO's sequence ratio, needs it: the default averages the whole micro-batch)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -510,6 +510,11 @@ def test_masked_mean(shape, p_true):
     # masked entries do not matter at all
     other = values.masked_fill(~mask, 1e6)
     assert_close(ppo.masked_mean(other, mask), ppo.masked_mean(values, mask))
+    # per row (dim=1): each row's own mean, a row with nothing unmasked 0
+    mask[-1] = False
+    rows = ppo.masked_mean(values, mask, dim=1)
+    for r, (v, m) in enumerate(zip(values.tolist(), mask.tolist())):
+        assert_close(rows[r], naive_mean(v, m) if any(m) else 0.0)
 
 
 @pytest.mark.parametrize("shape", SHAPES_2D)
