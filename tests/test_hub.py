@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from conftest import run_ppo, tiny_args
 from ppo_harness import hub
-from test_tldr import tldr  # noqa: F401 (the TL;DR fixture: tiny models, posts)
 
 
 def flags(**overrides):
@@ -84,14 +83,12 @@ def test_push_to_hub_uploads_the_final_models_and_a_card_that_load(assets, tmp_p
     assert (remote / "metrics.jsonl").exists() and (remote / "args.json").exists()
 
 
-def test_push_to_hub_defaults_to_the_users_namespace_and_the_tldr_script_pushes_too(request, tmp_path, monkeypatch):
-    from test_tldr import tiny_args as tldr_args
-
-    proc, _, calls, remote = recorded_run([*tldr_args(request.getfixturevalue("tldr")), "--push-to-hub"], tmp_path,
-                                          monkeypatch, script="ppo_tldr.py")
+def test_push_to_hub_defaults_to_the_users_namespace(assets, tmp_path, monkeypatch):
+    """Without --hub-model-id the repository is the user's (whoami) and the run's name, public (TRL's default)."""
+    proc, _, calls, remote = recorded_run(tiny_args(assets, "--push-to-hub"), tmp_path, monkeypatch)
     assert [c["call"] for c in calls] == ["whoami", "whoami", "create_repo", "upload_folder"]  # the check; the name
     repo = calls[2]["repo_id"]
-    assert repo.startswith("tester/") and calls[2]["private"] is False and (remote / "model.safetensors").exists()
+    assert repo.startswith("tester/ppo__") and calls[2]["private"] is False and (remote / "model.safetensors").exists()
     assert f"pushed to https://huggingface.co/{repo}" in proc.stdout
 
 

@@ -566,6 +566,20 @@ def test_defaults_are_the_papers_setup():
     assert sizes.batch_size == 512 and sizes.num_updates == 1954  # 8 GPUs: the paper's batch of 512
 
 
+def test_push_to_hub_pushes_the_tldr_run(tldr, tmp_path, monkeypatch):
+    """ppo_tldr.py's --push-to-hub, --hub-model-id and --hub-private-repo, through tests/hub_recorded.py (test_hub.py:
+    ppo.py's, with what the upload holds): the named private repository gets the policy, without checkpoints."""
+    from test_hub import recorded_run
+
+    proc, _, calls, remote = recorded_run(tiny_args(tldr, "--push-to-hub", "--hub-model-id", "me/tldr",
+                                                    "--hub-private-repo", "--save-every", "1"),
+                                          tmp_path, monkeypatch, script="ppo_tldr.py")
+    assert [c["call"] for c in calls] == ["whoami", "create_repo", "upload_folder"]
+    assert calls[1]["repo_id"] == "me/tldr" and calls[1]["private"] is True
+    assert (remote / "model.safetensors").exists() and not (remote / "checkpoints").exists()
+    assert "pushed to https://huggingface.co/me/tldr" in proc.stdout
+
+
 def test_every_flag_is_exercised_by_a_test():
     source = Path(__file__).read_text()
     missing = [f.name for f in dataclasses.fields(ppo_tldr.Args)
