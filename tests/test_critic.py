@@ -152,13 +152,17 @@ def test_the_warm_up_holds_the_policys_schedule_and_the_kl_controller(assets, tm
     assert cold[1]["objective/kl_coef"] != 0.05  # the controller moves after a trained update
 
 
-def test_resume_with_the_critic_flags_gives_the_uninterrupted_run(assets, tmp_path):
+@pytest.mark.parametrize("layout", ["full, value model", "lora, shared head"])
+def test_resume_with_the_critic_flags_gives_the_uninterrupted_run(assets, tmp_path, layout):
     """Nothing the critic flags keep lives outside the checkpoint: the critic's lr is in the optimizer's groups, the
     warm-up and the critic epochs are counted from `update`. The value weights and their AdamW state come back
-    exactly too."""
+    exactly too (NeMo-RL lost the critic's optimizer state on resume), with full fine-tuning and a value model, and
+    with a LoRA adapter and the shared head."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    args = args_for(assets, *EXACT, "--total-episodes", "48", "--save-every", "1", "--value-warmup-updates", "1",
-                    "--critic-learning-rate", "5e-3", "--critic-epochs", "1", "--kl-target", "0.01")
+    shape = [] if layout.startswith("full") else ["--use-peft", "--shared-value-head", "--num-trainable-layers", "1"]
+    args = args_for(assets, *EXACT, *shape, "--total-episodes", "48", "--save-every", "1",
+                    "--value-warmup-updates", "1", "--critic-learning-rate", "5e-3", "--critic-epochs", "1",
+                    "--kl-target", "0.01")
     _, uninterrupted = run_ppo(args, full)
     shutil.copytree(full, resumed)  # as a run killed after update 1 would have left it
     for name in ("update-000002", "update-000003"):
@@ -174,8 +178,9 @@ def test_resume_with_the_critic_flags_gives_the_uninterrupted_run(assets, tmp_pa
             for d in (full, resumed))
     for i, state in a["state"].items():
         assert all(torch.equal(state[k], b["state"][i][k]) for k in state), i
-    va, vb = (load_file(d / "value_model" / "model.safetensors") for d in (full, resumed))
-    assert all(torch.equal(va[k], vb[k]) for k in va)
+    critic = "value_model/model.safetensors" if layout.startswith("full") else "value_head.safetensors"
+    va, vb = (load_file(d / critic) for d in (full, resumed))
+    assert va.keys() == vb.keys() and all(torch.equal(va[k], vb[k]) for k in va)
 
 
 def test_a_warm_started_critic_starts_a_fresh_optimizer(assets, tmp_path):
