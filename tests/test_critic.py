@@ -4,16 +4,14 @@
 The schedule and the two-group AdamW step against plain Python loops in float64 (never the helper's own arithmetic),
 then short tiny-model runs: what the extra critic epochs move and what they leave, what the warm-up holds still, the
 critic's optimizer state over a resume and on a warm start, and the value loss's gradient over micro-batches."""
-import json
 import math
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import ppo
-from conftest import run_ppo, without_wall_clock
+from conftest import resumed_after_update_1, run_ppo, without_wall_clock
 from conftest import tiny_args as args_for
 
 EXACT = ["--max-grad-norm", "None"]  # no clipping, which would couple the policy's step to the value's
@@ -163,15 +161,7 @@ def test_resume_with_the_critic_flags_gives_the_uninterrupted_run(assets, tmp_pa
     args = args_for(assets, *EXACT, *shape, "--total-episodes", "48", "--save-every", "1",
                     "--value-warmup-updates", "1", "--critic-learning-rate", "5e-3", "--critic-epochs", "1",
                     "--kl-target", "0.01")
-    _, uninterrupted = run_ppo(args, full)
-    shutil.copytree(full, resumed)  # as a run killed after update 1 would have left it
-    for name in ("update-000002", "update-000003"):
-        shutil.rmtree(resumed / "checkpoints" / name)
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (resumed / log).read_text().splitlines()
-        (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 1))
-    proc, rows = run_ppo(args + ["--resume", str(resumed / "checkpoints" / "update-000001"),
-                                 "--output-dir", str(resumed)], resumed)
+    uninterrupted, proc, rows = resumed_after_update_1(args, full, resumed)
     assert "continuing at update 2" in proc.stdout
     assert without_wall_clock(rows) == without_wall_clock(uninterrupted)
     a, b = (torch.load(d / "checkpoints" / "update-000003" / "optimizer.bin", weights_only=False)

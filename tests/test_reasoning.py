@@ -3,16 +3,14 @@
 Each helper against an independent float64 loop (as tests/test_math.py: plain Python over lists, never the helper's
 vectorised code), the token-level denominator over simulated processes and accumulation steps, then short tiny-model
 runs that show each flag changes the update where it should and nowhere else, and a resume with every flag on."""
-import json
 import math
-import shutil
 
 import pytest
 import torch
 
 import ppo
 from ppo_harness.reward_calls import RewardComponents
-from conftest import run_ppo, without_wall_clock
+from conftest import resumed_after_update_1, run_ppo, without_wall_clock
 from conftest import tiny_args as args_for
 
 
@@ -426,14 +424,6 @@ def test_resume_with_every_reasoning_flag_gives_the_uninterrupted_run(assets, tm
                     "--value-warmup-updates", "1", "--lam", "0.9", "--lam-critic", "1.0", "--lam-length-alpha", "0.5",
                     "--cliprange-high", "0.28", "--loss-aggregation", "token", "--positive-lm-coef", "0.1",
                     "--positive-threshold", "0.1", "--dynamic-sampling")
-    _, uninterrupted = run_ppo(args, full)
-    shutil.copytree(full, resumed)  # as a run killed after update 1 would have left it
-    for name in ("update-000002", "update-000003"):
-        shutil.rmtree(resumed / "checkpoints" / name)
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (resumed / log).read_text().splitlines()
-        (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 1))
-    proc, rows = run_ppo(args + ["--resume", str(resumed / "checkpoints" / "update-000001"),
-                                 "--output-dir", str(resumed)], resumed)
+    uninterrupted, proc, rows = resumed_after_update_1(args, full, resumed)
     assert "continuing at update 2" in proc.stdout
     assert without_wall_clock(rows) == without_wall_clock(uninterrupted)
