@@ -891,6 +891,7 @@ class Setup:
     stop_token_id: int | None
     train_dataset: Dataset
     eval_rows: Dataset  # this process's held-out posts, with their `index` among all of them
+    probe_ids: list[list[int]]  # the first training posts' ids: the start-up checks' probe (ppo_harness/)
     compiled: bool = False  # --compile: the training step and the sampler through torch.compile
     # compiled: every update's queries padded to the widest post (one compilation)
     query_width: int | None = None
@@ -966,8 +967,8 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     query_width = max(len(ids) for ids in train_dataset["input_ids"]) if compiled else None
     return accelerator, Setup(sizes=sizes, zero3=zero3, folder=folder, run_state=run_state,
                               tokenizer=tokenizer, stop_token_id=stop_token_id,
-                              train_dataset=train_dataset, eval_rows=eval_rows, compiled=compiled,
-                              query_width=query_width)
+                              train_dataset=train_dataset, eval_rows=eval_rows,
+                              probe_ids=train_dataset[:4]["input_ids"], compiled=compiled, query_width=query_width)
 
 
 def check_args(args: Args) -> None:

@@ -109,7 +109,7 @@ def check_trunks(script, args, setup, policy, ref_policy=None, value_model=None,
                else "every block trains")
         return {}, set(), f"frozen trunks: none ({why})"
     pad_token_id = setup.tokenizer.pad_token_id
-    probe = script.left_pad(setup.train_dataset[:2]["input_ids"], pad_token_id).to(policy.device)
+    probe = script.left_pad(setup.probe_ids[:2], pad_token_id).to(policy.device)
     num_frozen, shares, refused = {}, set(), []
     reference = policy if ref_policy is None else ref_policy
     for name, model in (("policy", policy), ("reference", reference), ("value", value_model)):
@@ -275,7 +275,7 @@ def check_kept_trunk(script, args, setup, policy, num_frozen: int | None) -> tup
     if num_frozen is None:
         return False, "kept while sampling: nothing"
     pad_token_id, training = setup.tokenizer.pad_token_id, policy.training
-    queries = script.left_pad(setup.train_dataset[:4]["input_ids"], pad_token_id).to(policy.device)
+    queries = script.left_pad(setup.probe_ids[:4], pad_token_id).to(policy.device)
     policy.eval()  # as sampling runs it (gradient checkpointing allows no KV cache in train mode)
     with torch.no_grad():
         with keep_trunk(policy, num_frozen) as kept_trunk:
@@ -443,7 +443,7 @@ def fused_head(script, wrapper: nn.Module, setup, args, compiled: bool) -> tuple
            "matrix" if type(head) is not nn.Linear or head.bias is not None else None)
     if why is None:
         pad_token_id = setup.tokenizer.pad_token_id
-        probe = script.left_pad(setup.train_dataset[:2]["input_ids"], pad_token_id).to(head.weight.device)
+        probe = script.left_pad(setup.probe_ids[:2], pad_token_id).to(head.weight.device)
         ids = probe[:, 1:].masked_fill(probe[:, 1:] == pad_token_id, 0)
         fused = FusedHeadForward(wrapper, script)
         params = [p for p in wrapper.parameters() if p.requires_grad]

@@ -46,7 +46,8 @@ def model_files(args, accelerator) -> ModelFiles:
             adapter_config = json.loads((next(iter(sft_adapters.values()))
                                          / "adapter_config.json").read_text())
             sft_model_path = resolve_model_path(adapter_config["base_model_name_or_path"])
-        reward_model_paths = [resolve_model_path(p) for p in args.reward_model_path]
+        # ppo_multiturn.py has no reward models: its environment rewards
+        reward_model_paths = [resolve_model_path(p) for p in getattr(args, "reward_model_path", ())]
         value_model_path = (resolve_model_path(args.value_model_path) if args.value_model_path
                             else None)
     check_sft_adapters(args, sft_adapters)

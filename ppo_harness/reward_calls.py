@@ -5,18 +5,17 @@ number or None per row; each local function tried once at start-up. What one bat
 back is `RewardComponents`: each reward's scores by name, what the functions logged (`RewardLogs`)
 and the rows no reward judged. A training script scores with its reward models itself and hands
 their scores to `reward_components`, which adds the functions'."""
-import asyncio
 import copy
 import inspect
 import math
 import numbers
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
+from ppo_harness.event_loop import await_together
 from ppo_harness.keywords import TRAINER_KEYWORDS
 from ppo_harness.reward_fns import assistant_prefix, prompt_text
 from ppo_harness.reward_server import served
@@ -211,31 +210,6 @@ def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
     except Exception as e:
         raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
                            f"raised {type(e).__name__}: {e}") from e
-
-
-# The loop runs in a daemon thread, not through asyncio.Runner: TRL's GRPOTrainer runs async reward
-# functions so (start_event_loop_in_daemon, run_coroutine_threadsafe), and a function written for
-# it keeps that: its loop keeps running between calls, so a client's background tasks (keep-alive
-# pings, a pool's clean-up) go on while the run trains, and it is called even where the caller's
-# own thread already runs a loop (a notebook), where asyncio.Runner.run refuses to start.
-_event_loop = None
-_event_loop_started = threading.Lock()
-
-
-def await_together(coroutines: list) -> list:
-    """Results (or exceptions) of coroutines awaited together (asyncio.gather), as TRL, on one
-    event loop kept for the run in a thread of its own: an async client a function keeps between
-    calls stays on its loop."""
-    global _event_loop
-    with _event_loop_started:
-        if _event_loop is None:
-            _event_loop = asyncio.new_event_loop()
-            threading.Thread(target=_event_loop.run_forever, name="reward-functions",
-                             daemon=True).start()
-
-    async def gather():
-        return await asyncio.gather(*coroutines, return_exceptions=True)
-    return asyncio.run_coroutine_threadsafe(gather(), _event_loop).result()
 
 
 def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tensor:

@@ -128,14 +128,14 @@ def assert_same_run(rows, reference, rel=1e-5):
             assert row[k] == pytest.approx(ref[k], rel=rel, abs=1e-6), (k, row[k], ref[k])
 
 
-def resumed_after_update_1(args: list[str], full: Path, resumed: Path):
+def resumed_after_update_1(args: list[str], full: Path, resumed: Path, script: str = "ppo.py"):
     """A 3-update run in `full`, then its folder as a run killed after update 1 would have left it (later checkpoints
     and log rows gone) resumed from checkpoint 1 in `resumed`: (the uninterrupted rows, the resumed process, its
     rows)."""
     import json
     import shutil
 
-    _, uninterrupted = run_ppo(args, full)
+    _, uninterrupted = run_ppo(args, full, script=script)
     shutil.copytree(full, resumed)
     for name in ("update-000002", "update-000003"):
         shutil.rmtree(resumed / "checkpoints" / name)
@@ -143,7 +143,7 @@ def resumed_after_update_1(args: list[str], full: Path, resumed: Path):
         lines = (resumed / log).read_text().splitlines()
         (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 1))
     proc, rows = run_ppo(args + ["--resume", str(resumed / "checkpoints" / "update-000001"),
-                                 "--output-dir", str(resumed)], resumed)
+                                 "--output-dir", str(resumed)], resumed, script=script)
     return uninterrupted, proc, rows
 
 

@@ -33,8 +33,11 @@ def test_the_harness_imports_neither_script_and_holds_no_algorithm(path):
     tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
         (n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not imported & {"ppo", "ppo_tldr"}, f"{path.name} imports a script"
-    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert not imported & {"ppo", "ppo_tldr", "ppo_multiturn"}, f"{path.name} imports a script"
+    # an optimizer's step; `environments` calls an environment's `step` (its protocol's name), on an instance
+    calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and not (path.name == "environments.py" and n.func.attr == "step"
+                      and isinstance(n.func.value, ast.Name) and n.func.value.id in ("obj", "self"))}
     assert not calls & {"backward", "step", "zero_grad", "clip_grad_norm_"}, f"{path.name} trains: {calls}"
     names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert not names & {"policy_loss", "value_loss", "compute_gae", "compute_rewards"}

@@ -11,7 +11,6 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
@@ -452,7 +451,7 @@ def test_an_edited_forward_is_followed_or_its_trunk_refused_by_name(assets):
                             "    return plain_trunk_inputs(model, qr, pad, None if trunk is None else "
                             "(1.5 * trunk[0], trunk[1]))")
     setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
-                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+                                  probe_ids=[[3, 4, 5, 6, 7], [8, 9, 10]])
     args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, shared_value_head=False)
     num_frozen, shares, note = check_trunks(doubled, args, setup, policy, None, value)
     assert num_frozen == {"policy": 1, "reference": 1, "value": 1} and shares == {"reference"}, (num_frozen, shares)
@@ -476,7 +475,7 @@ def test_the_reference_shares_the_policys_trunk_only_where_its_weights_are_the_p
     for m in (policy, value):
         ppo.freeze_bottom_layers(m, 1)
     setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
-                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+                                  probe_ids=[[3, 4, 5, 6, 7], [8, 9, 10]])
     args = dataclasses.replace(ppo.Args(), num_trainable_layers=1, shared_value_head=False)
     assert check_trunks(ppo, args, setup, policy, same, value)[1] == {"reference", "value"}
     num_frozen, shares, note = check_trunks(ppo, args, setup, policy, other, value)
@@ -567,7 +566,7 @@ def test_the_trunk_kept_while_sampling_is_a_full_forwards(tmp_path, arch):
         torch.testing.assert_close(ppo.response_logprobs(policy, qr, PAD, 5, ids, 0.7, trunk=trunk)[0][real[:, 5:]],
                                    full[real[:, 5:]], rtol=1e-5, atol=1e-5)
     setup = types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad_token_id=PAD), stop_token_id=7,
-                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [3, 4, 10]]}))
+                                  probe_ids=[[3, 4, 5, 6, 7], [3, 4, 10]])
     assert check_kept_trunk(ppo, args, setup, policy, 1)[0]
     assert not check_kept_trunk(ppo, args, setup, policy, None)[0]
     hook = shift_first_block(policy, lambda hidden: hidden.size(1) == 1)  # a drifting cache: decoding steps shifted
@@ -589,7 +588,7 @@ def test_the_fused_head_stands_in_for_the_pages_forward_where_its_probe_agrees(t
     policy = AutoModelForCausalLM.from_pretrained(paths["sft"])
     value = AutoModelForSequenceClassification.from_pretrained(paths["rm"])
     setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
-                                  train_dataset=Dataset.from_dict({"input_ids": [[3, 4, 5, 6, 7], [8, 9, 10]]}))
+                                  probe_ids=[[3, 4, 5, 6, 7], [8, 9, 10]])
     args = dataclasses.replace(ppo.Args(), temperature=0.7)
     qr = ppo.left_pad([[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], PAD)
     ids = qr[:, 2:].masked_fill(qr[:, 2:] == PAD, 0)

@@ -1,8 +1,9 @@
-"""Neither script imports the other, and what both need that no experiment edits lives once in ppo_harness/. So every
-function or class both scripts define is part of the algorithm they share, and a copy: the same text, or one of the
-differences listed here by name with its reason. A new difference fails until it is listed; a listed one that became
-the same text fails until it is removed. A difference keeps the signature (the parameters, the return annotation), so
-the two scripts diff line by line, unless listed in SIGNATURE_DIFFERENCES."""
+"""No script imports another, and what they need that no experiment edits lives once in ppo_harness/. So every
+function or class a sibling (ppo_tldr.py, ppo_multiturn.py) shares with ppo.py is part of the algorithm they share,
+and a copy: the same text, or one of the differences listed here by name with its reason. A new difference fails
+until it is listed; a listed one that became the same text fails until it is removed. A difference keeps the
+signature (the parameters, the return annotation), so the scripts diff line by line, unless listed in the
+sibling's SIGNATURE_DIFFERENCES."""
 import ast
 
 import pytest
@@ -71,32 +72,61 @@ def signatures(path) -> dict[str, dict]:
     return signatures
 
 
-PPO, TLDR = definitions("ppo.py"), definitions("ppo_tldr.py")
-SHARED = sorted((set(PPO) & set(TLDR)) - {"Args", "main"})  # the two scripts' own flags and loops
-PPO_SIGNATURES, TLDR_SIGNATURES = signatures("ppo.py"), signatures("ppo_tldr.py")
+MULTITURN_DIFFERENCES = {  # name: why ppo_multiturn.py's differs from ppo.py's
+    "Rollout": "episodes: a mask of the policy's tokens, the turns and how each episode ended; no reward components",
+    "Setup": "the environment and the context's limit; no rewards to resolve",
+    "Models": "no reward models",
+    "check_args": "the multi-turn script's own flags",
+    "set_up": "the environment loaded and tried, rows instead of tokenised prompts, the context's limit",
+    "load_models": "no reward models, no kept trunk (each turn re-encodes its context) and no compiled step",
+    "compute_rewards": "each turn's reward at its last action token, not one score after the response",
+    "loss_denominators": "the action tokens alone: no dynamic sampling or positive examples",
+    "ppo_loss": "the losses on the policy's tokens alone; no critic-free estimators or positive-example loss",
+    "gathered_metrics": "the turns' metrics (turns, observation tokens, truncated episodes); no reward components",
+    "evaluate": "held-out episodes, the environments' own draws seeded and put back",
+}
+MULTITURN_SIGNATURE_DIFFERENCES = {
+    "Models": "no record of rewards to name models by (`named`)",
+    "compute_rewards": "the turns' rewards per token, not a score per response at its sequence length",
+    "ppo_loss": "one denominator (the action tokens'), not the token and positive-example pair",
+    "gathered_metrics": "the pad id (observation tokens are the response's other real tokens), no `args`",
+    "evaluate": "the held-out rows are the set-up's: no queries to pass",
+}
+SIBLINGS = {"ppo_tldr.py": (DIFFERENCES, SIGNATURE_DIFFERENCES),
+            "ppo_multiturn.py": (MULTITURN_DIFFERENCES, MULTITURN_SIGNATURE_DIFFERENCES)}
+PPO, PPO_SIGNATURES = definitions("ppo.py"), signatures("ppo.py")
+SIBLING_DEFINITIONS = {path: definitions(path) for path in SIBLINGS}
+SIBLING_SIGNATURES = {path: signatures(path) for path in SIBLINGS}
+# each sibling's own flags and loop aside
+SHARED = [(path, name) for path in SIBLINGS for name in sorted((set(PPO) & set(SIBLING_DEFINITIONS[path]))
+                                                              - {"Args", "main"})]
 
 
-def test_the_scripts_share_their_helpers():
-    assert len(SHARED) >= 30 and set(SIGNATURE_DIFFERENCES) <= set(DIFFERENCES) <= set(SHARED)
+@pytest.mark.parametrize("path", SIBLINGS)
+def test_the_scripts_share_their_helpers(path):
+    differences, signature_differences = SIBLINGS[path]
+    shared = {name for p, name in SHARED if p == path}
+    assert len(shared) >= 30 and set(signature_differences) <= set(differences) <= shared
 
 
-@pytest.mark.parametrize("name", SHARED)
-def test_a_shared_definition_is_a_copy_or_a_listed_difference(name):
-    if name in DIFFERENCES:
-        assert PPO[name] != TLDR[name], f"{name} is the same text in both scripts now: remove it from DIFFERENCES"
+@pytest.mark.parametrize("path,name", SHARED)
+def test_a_shared_definition_is_a_copy_or_a_listed_difference(path, name):
+    sibling = SIBLING_DEFINITIONS[path][name]
+    if name in SIBLINGS[path][0]:
+        assert PPO[name] != sibling, f"{name} is the same text in ppo.py and {path} now: remove it from its DIFFERENCES"
     else:
-        assert PPO[name] == TLDR[name], (f"{name} differs between the scripts: make it the same text, or list it in "
-                                         f"DIFFERENCES with the reason")
+        assert PPO[name] == sibling, (f"{name} differs between ppo.py and {path}: make it the same text, or list it "
+                                      f"in {path}'s DIFFERENCES with the reason")
 
 
-@pytest.mark.parametrize("name", SHARED)
-def test_a_shared_definition_has_the_same_signature_or_a_listed_reason(name):
+@pytest.mark.parametrize("path,name", SHARED)
+def test_a_shared_definition_has_the_same_signature_or_a_listed_reason(path, name):
     """The same parameter names in the same order and the same return annotation, for a function, and for each
     method that both scripts' class defines (a dataclass's fields are its own: `Setup` holds each script's set-up)."""
-    ppo, tldr = PPO_SIGNATURES[name], TLDR_SIGNATURES[name]
-    differ = {method: (ppo[method], tldr[method]) for method in ppo.keys() & tldr.keys() if ppo[method] != tldr[method]}
-    if name in SIGNATURE_DIFFERENCES:
-        assert differ, f"{name} has the same signature in both scripts now: remove it from SIGNATURE_DIFFERENCES"
+    ppo, sibling = PPO_SIGNATURES[name], SIBLING_SIGNATURES[path][name]
+    differ = {m: (ppo[m], sibling[m]) for m in ppo.keys() & sibling.keys() if ppo[m] != sibling[m]}
+    if name in SIBLINGS[path][1]:
+        assert differ, f"{name} has the same signature in ppo.py and {path} now: remove it from SIGNATURE_DIFFERENCES"
     else:
-        assert not differ, (f"{name}'s signature differs between the scripts (ppo.py's, ppo_tldr.py's): {differ}; "
-                            "make it the same, or list it in SIGNATURE_DIFFERENCES with the reason")
+        assert not differ, (f"{name}'s signature differs between ppo.py and {path}: {differ}; make it the same, or "
+                            "list it in SIGNATURE_DIFFERENCES with the reason")
