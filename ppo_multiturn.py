@@ -690,7 +690,7 @@ def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_up
     return optimizer.param_groups[0]["lr"], train_policy
 
 
-# ---- Phase 1: the episodes: the policy's turns (its own sampling loop) and the environment's answers
+# ---- Phase 1: the episodes: the policy's turns (its own loop) and the environment's answers ----
 class Episodes(NamedTuple):
     """A batch of episodes as phase 1 left them: each row its first context (the query), then every
     turn after it, the policy's and the environment's, one after another (the response)."""
@@ -706,34 +706,39 @@ class Episodes(NamedTuple):
     transcripts: list[dict]  # for the sample tables: the whole text, its score and turns
 
 
-def sample_episodes(accelerator: Accelerator, model: nn.Module, setup: Setup, rows: dict, indices: list[int],
-                    args: Args, generator=None) -> Episodes:
+def sample_episodes(accelerator: Accelerator, model: nn.Module, setup: Setup, rows: dict,
+                    indices: list[int], args: Args, generator=None) -> Episodes:
     """`rows`' episodes (a fresh environment each), in chunks of --local-rollout-forward-batch-size
     played together."""
-    chunk, policy, gathered = args.local_rollout_forward_batch_size, accelerator.unwrap_model(model).policy, nullcontext()
+    chunk, gathered = args.local_rollout_forward_batch_size, nullcontext()
+    policy = accelerator.unwrap_model(model).policy
     if setup.zero3:  # its weights gathered once per rollout (TRL's ds3_gather_for_generation)
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         gathered = unwrap_model_for_generation(model)
-    rows = [dict(zip(rows, values)) for values in zip(*rows.values())]  # a row a dict, as reset gets it
+    # a row a dict, as reset gets it
+    rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
     with gathered:
-        played = [play_episodes(policy, setup, rows[i:i + chunk], indices[i:i + chunk], args, generator)
-                  for i in range(0, len(rows), chunk)]
+        played = [play_episodes(policy, setup, rows[i:i + chunk], indices[i:i + chunk], args,
+                                generator) for i in range(0, len(rows), chunk)]
     episodes = [e for part in played for e in part]
     pad_token_id = setup.tokenizer.pad_token_id
     width = max(len(e["tokens"]) for e in episodes)
-    right = lambda key, value: torch.tensor([e[key] + [value] * (width - len(e[key])) for e in episodes])
+    def right(key, value):  # each episode's list, right-padded to the longest
+        return torch.tensor([e[key] + [value] * (width - len(e[key])) for e in episodes])
     return Episodes(
-        queries=left_pad([e["query"] for e in episodes], pad_token_id), responses=right("tokens", pad_token_id),
+        queries=left_pad([e["query"] for e in episodes], pad_token_id),
+        responses=right("tokens", pad_token_id),
         logprobs=right("logprobs", INVALID_LOGPROB), action_mask=right("actions", False),
         turn_scores=right("scores", 0.0), num_turns=torch.tensor([e["turns"] for e in episodes]),
         ended=torch.tensor([e["ended"] for e in episodes]),
-        transcripts=[dict(transcript=setup.tokenizer.decode(e["query"] + e["tokens"]), score=sum(e["scores"]),
-                          turns=e["turns"]) for e in episodes])
+        transcripts=[dict(transcript=setup.tokenizer.decode(e["query"] + e["tokens"]),
+                          score=sum(e["scores"]), turns=e["turns"]) for e in episodes])
 
 
 @torch.no_grad()
-def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], args: Args, generator=None):
+def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], args: Args,
+                  generator=None) -> list[dict]:
     """Episodes played together, turn by turn: the policy samples its turn (`generate`: up to
     --response-length tokens, cut after the stop token), the environment answers it, and the answer
     joins the context, until the environment says done, --max-turns, or the context's limit. Each
@@ -743,27 +748,31 @@ def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], ar
     tokenizer, stop_token_id, env = setup.tokenizer, setup.stop_token_id, setup.env
     pad_token_id = tokenizer.pad_token_id
     labels = [row.get(args.label_key or "label") for row in rows]
-    prompts = [openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in rows] if env.openrlhf else None
+    prompts = ([openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in rows]
+               if env.openrlhf else None)
     envs, firsts = env.start(rows, indices, prompts, labels)
-    # the first context: a user message through the chat template, or OpenRLHF's observation as it is
+    # the first context: a user message through the chat template, or OpenRLHF's observation, raw
     contexts = [tokenizer(first, add_special_tokens=False)["input_ids"] if env.openrlhf else
                 first_turn_tokens(tokenizer, first) for first in firsts]
     for row, context in zip(indices, contexts):
         if len(context) + args.response_length > setup.max_context:
-            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} tokens, so one turn of "
-                             f"--response-length {args.response_length} would pass the {setup.max_context} tokens of "
-                             "--max-context-length (None: the policy's positions)")
-    episodes = [dict(query=list(c), tokens=[], actions=[], logprobs=[], scores=[], turns=0, ended=None)
-                for c in contexts]
+            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} "
+                             f"tokens, so one turn of --response-length {args.response_length} "
+                             f"would pass the {setup.max_context} tokens of --max-context-length "
+                             "(None: the policy's positions)")
+    episodes = [dict(query=list(c), tokens=[], actions=[], logprobs=[], scores=[], turns=0,
+                     ended=None) for c in contexts]
     for turn in range(args.max_turns):
         live = [i for i, e in enumerate(episodes) if e["ended"] is None]
         if not live:
             break
         queries = left_pad([contexts[i] for i in live], pad_token_id).to(policy.device)
-        responses, logprobs = generate(policy, queries, pad_token_id, args, stop_token_id, generator)
+        responses, logprobs = generate(policy, queries, pad_token_id, args, stop_token_id,
+                                       generator)
         if stop_token_id is not None:
             responses = truncate_response(stop_token_id, pad_token_id, responses)
-        answers = env.step([envs[i] for i in live], tokenizer.batch_decode(responses, skip_special_tokens=True))
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        answers = env.step([envs[i] for i in live], texts)
         for row, i, (observation, reward, done) in zip(range(len(live)), live, answers):
             e, action = episodes[i], [t for t in responses[row].tolist() if t != pad_token_id]
             e["tokens"] += action
@@ -776,7 +785,8 @@ def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], ar
                 e["ended"] = 0 if done else 1
                 continue
             # ALGO LOGIC: what the policy sees of the environment's answer
-            seen = observation_tokens(tokenizer, observation, action[-1] == stop_token_id, env.openrlhf)
+            seen = observation_tokens(tokenizer, observation, action[-1] == stop_token_id,
+                                      env.openrlhf)
             if len(contexts[i]) + len(seen) + args.response_length > setup.max_context:
                 e["ended"] = 2
                 continue
@@ -790,8 +800,8 @@ def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], ar
 
 def first_turn_tokens(tokenizer, message: str) -> list[int]:
     """An episode's first context: `message` as the user's turn, then the assistant's header."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                         add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -1064,7 +1074,8 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 # ---- Phase 7: metrics by name (a new one is one line of `local`), the held-out episodes ----------
-def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict], pad_token_id: int) -> dict:
+def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict],
+                     pad_token_id: int) -> dict:
     """The update's metrics by name (TRL's, and the turns'), as sums and counts in one gather: a
     scalar of `local` averaged over processes; a micro-batch statistic over all processes'
     micro-batches that held an action token."""
@@ -1079,8 +1090,10 @@ def gathered_metrics(accelerator: Accelerator, r: Rollout, step_stats: list[dict
         "val/num_turns": r.num_turns.float().mean(),
         "val/response_length": real.sum(1).mean(),  # the policy's tokens per episode, every turn's
         # the environment's tokens per episode (the response's other tokens, padding aside)
-        "val/observation_length": ((r.responses != pad_token_id) & r.padding_mask).sum(1).float().mean(),
-        # episodes ended by --max-turns, by the context's limit: over all processes, n x each process's count
+        "val/observation_length": ((r.responses != pad_token_id)
+                                   & r.padding_mask).sum(1).float().mean(),
+        # episodes ended by --max-turns, by the context's limit: over all processes, n x each
+        # process's count
         "val/truncated_episodes": n * (r.ended == 1).sum().float(),
         "val/context_full_episodes": n * (r.ended == 2).sum().float(),
         # ALGO LOGIC: a metric is one line here, from `r`, averaged over processes
@@ -1111,7 +1124,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     own generator and, for the environments' own draws, Python's and numpy's seeded and then put
     back: the training streams are untouched, and a resumed run evaluates alike."""
     models.model.eval()  # PPO left train mode, where gradient checkpointing forbids a KV cache
-    seed = args.seed + update + 100003 * accelerator.process_index  # each process's share its own draws
+    # each process's share its own draws
+    seed = args.seed + update + 100003 * accelerator.process_index
     generator = torch.Generator(device=accelerator.device).manual_seed(seed)
     streams = random.getstate(), np.random.get_state()
     random.seed(seed)
@@ -1119,10 +1133,12 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     rows, pad_token_id, device = setup.eval_rows[:], setup.tokenizer.pad_token_id, accelerator.device
     try:
         with torch.no_grad(), accelerator.autocast():
-            episodes = sample_episodes(accelerator, models.model, setup, rows, setup.eval_row_numbers, args, generator)
+            episodes = sample_episodes(accelerator, models.model, setup, rows, setup.eval_row_numbers,
+                                       args, generator)
             # this policy's KL, summed as objective/kl sums it, over the policy's tokens
             queries, responses = episodes.queries.to(device), episodes.responses.to(device)
-            query_responses, padding_mask = torch.cat((queries, responses), 1), ~episodes.action_mask.to(device)
+            query_responses = torch.cat((queries, responses), 1)
+            padding_mask = ~episodes.action_mask.to(device)
             trunks = frozen_trunks(models, query_responses, pad_token_id, args, with_value=False)
             ref_logprobs, _, full_kl_per_token = reference_and_values(
                 models, query_responses, responses.masked_fill(responses == pad_token_id, 0), queries.size(1), args,
@@ -1139,7 +1155,8 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
     played = gather_once(setup.eval_index, played)  # every held-out row, once
     run_log.samples(update, played, f"held-out episodes after update {update}")
     n = len(played)
-    return {"eval/scores": sum(p["score"] for p in played) / n, "eval/num_turns": sum(p["turns"] for p in played) / n,
+    return {"eval/scores": sum(p["score"] for p in played) / n,
+            "eval/num_turns": sum(p["turns"] for p in played) / n,
             "eval/truncated_episodes": sum(p["ended"] == "max-turns" for p in played) / n,
             "eval/context_full_episodes": sum(p["ended"] == "context" for p in played) / n,
             "eval/kl": sum(p["kl"] for p in played) / n}
@@ -1162,7 +1179,8 @@ class Setup:
     tokenizer: object
     stop_token_id: int | None
     env: Environment
-    max_context: int  # the longest context a turn may start from, its --response-length tokens included
+    # the longest context a turn may reach, its --response-length tokens included
+    max_context: int
     train_dataset: Dataset
     eval_rows: Dataset | list  # this process's share of the held-out rows
     eval_index: list[int]  # their places among all held-out rows
@@ -1185,8 +1203,9 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError("--critic-epochs steps the value parameters alone, which DeepSpeed's optimizer cannot do: "
                          "launch with DDP (accelerate_configs/multi_gpu.yaml), or drop --critic-epochs")
     if zero3 and not args.ds3_gather_for_generation:
-        raise ValueError("--no-ds3-gather-for-generation: sampling from ZeRO-3's shards needs every process to step "
-                         "together, and here each process's episodes take their own number of turns: drop the flag")
+        raise ValueError("--no-ds3-gather-for-generation: sampling from ZeRO-3's shards needs every "
+                         "process to step together, and here each process's episodes take their own "
+                         "number of turns: drop the flag")
     remote = dict(trust_remote_code=args.trust_remote_code)
 
     # the models' files, resolved (a GGUF converted once into cache/) and checked
@@ -1214,15 +1233,17 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         raise ValueError(f"{args.dataset_name} has {len(dataset)} rows: too few for --eval-samples "
                          f"{args.eval_samples} plus one rollout batch of {sizes.batch_size}")
     if env.openrlhf and args.dataset_prompt_column not in dataset.column_names:
-        raise ValueError(f"--env {args.env} is an OpenRLHF agent, whose reset gets the prompt: --dataset-prompt-column "
-                         f"{args.dataset_prompt_column!r} is not in {source} (columns: {dataset.column_names})")
+        raise ValueError(f"--env {args.env} is an OpenRLHF agent, whose reset gets the prompt: "
+                         f"--dataset-prompt-column {args.dataset_prompt_column!r} is not in {source} "
+                         f"(columns: {dataset.column_names})")
 
     # the tokenizer: left padding for generation (N+ detail 3), and a pad token distinct from eos
     # (N+ detail 6); every turn through the chat template (an OpenRLHF agent writes its own)
     tokenizer = AutoTokenizer.from_pretrained(sft_model_path, padding_side="left", **remote)
     if tokenizer.chat_template is None and not env.openrlhf:
-        raise ValueError(f"--env {args.env}: each turn is a chat message, but the policy's tokenizer has no chat "
-                         "template (a base model: give a chat model, or an environment that writes its own text)")
+        raise ValueError(f"--env {args.env}: each turn is a chat message, but the policy's tokenizer "
+                         "has no chat template (a base model: give a chat model, or an environment "
+                         "that writes its own text)")
     stop_token_id = args.stop_token_id if args.stop_token_id is not None else (
         (end_of_turn_token_id(tokenizer) if tokenizer.chat_template else tokenizer.eos_token_id)
         if args.stop_token == "eos" else None)
@@ -1241,11 +1262,13 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     # the environment tried on two rows before any model loads: reset, and a first (empty) turn
     probe_ids = try_environment(env, tokenizer, train_dataset, args)
     if args.shared_value_head:
-        value_model_path, value_init = None, "value: a linear head on the policy's final hidden state (--shared-value-head)"
+        value_model_path = None
+        value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
     else:
         value_model_path = files.value_model_path or sft_model_path
-        value_init = f"value model: {value_model_path}" + (" (--value-model-path)" if files.value_model_path else
-                                                         " (the SFT policy with a fresh (zero) scalar head)")
+        value_init = f"value model: {value_model_path}" + (
+            " (--value-model-path)" if files.value_model_path
+            else " (the SFT policy with a fresh (zero) scalar head)")
         check_scalar_model(value_model_path, "value model", require_head=False, **remote)
 
     # the run's folder, last: a resume's checkpoint found and matched to this run, the folder locked
@@ -1270,12 +1293,14 @@ def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args) -> l
     first contexts and answers' ids are the probe the start-up checks of ppo_harness/forwards.py
     run the page's forwards on (repeated to 8 tokens at least: a check needs tokens after the first)."""
     first = [dict(zip(rows.column_names, values)) for values in zip(*rows[:2].values())]
-    prompts = [openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in first] if env.openrlhf else None
-    episodes, firsts = env.start(first, [0, 1][:len(first)], prompts, [row.get(args.label_key or "label")
-                                                                        for row in first])
+    prompts = ([openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in first]
+               if env.openrlhf else None)
+    labels = [row.get(args.label_key or "label") for row in first]
+    episodes, firsts = env.start(first, [0, 1][:len(first)], prompts, labels)
     answers = env.step(episodes, [""] * len(episodes))
     probe = [(tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
-              first_turn_tokens(tokenizer, text)) + observation_tokens(tokenizer, observation, False, env.openrlhf)
+              first_turn_tokens(tokenizer, text))
+             + observation_tokens(tokenizer, observation, False, env.openrlhf)
              for text, (observation, _, _) in zip(firsts, answers)]
     return [ids * math.ceil(8 / max(len(ids), 1)) for ids in probe]
 

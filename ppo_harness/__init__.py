@@ -1,5 +1,5 @@
-"""The harness of ppo.py and ppo_tldr.py: what no experiment edits, written once and imported by
-both scripts. It imports neither script, computes no loss and steps no optimizer (the scripts hold
+"""The harness of ppo.py, ppo_tldr.py and ppo_multiturn.py: what no experiment edits, written once and
+imported by the scripts. It imports no script, computes no loss and steps no optimizer (the scripts hold
 the algorithm). Each module has one concern and reads alone:
 
 - `launch`: the flags' intervals, accelerate's processes and DeepSpeed's settings, every machine
@@ -35,6 +35,9 @@ the algorithm). Each module has one concern and reads alone:
 - `reward_models`: reward models with a tokenizer of their own, reading the decoded text;
 - `reward_calls`: reward functions called as TRL calls them (sync, async awaited together), each
   output checked, and the record of what they said and logged;
+- `event_loop`: the one event loop async reward functions and environments are awaited on;
+- `environments`: ppo_multiturn.py's environments loaded and called (this collection's reset/step
+  protocol, OpenRLHF's agents), every answer checked; `guess_number`, its default task;
 - `reward_logs`: what reward functions log, each reward's mean, the sample tables' rows, the
   held-out metrics;
 - `speed`: --compile's settings, and the CUDA static-cache sampler that stands in for the policy in

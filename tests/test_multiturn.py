@@ -323,3 +323,39 @@ def test_two_processes(chat, tmp_path):
                      script="ppo_multiturn.py")
     assert len(rows) == 2 and all(1 <= row["val/num_turns"] <= 3 for row in rows)
     shutil.rmtree(tmp_path / "run")
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_deepspeed(chat, tmp_path, config):
+    """DeepSpeed ZeRO-2 and ZeRO-3 (the shipped configs, on 2 CPU processes) run the episodes as DDP does; ZeRO-3
+    gathers the policy once per rollout, and sampling from its shards is refused (the processes' turns differ)."""
+    args = tiny_args(chat, "tests/envs.py:SayWord", "--per-device-train-batch-size", "2")
+    _, rows = launch(args, tmp_path / "run", script="ppo_multiturn.py", config=config)
+    _, ddp = launch(args, tmp_path / "ddp", script="ppo_multiturn.py")
+    assert len(rows) == 2 and rows[0]["objective/scores"] == ddp[0]["objective/scores"]  # the same first rollout
+    if config == "deepspeed_zero3.yaml":
+        proc, _ = launch(args + ["--no-ds3-gather-for-generation"], tmp_path / "shards", script="ppo_multiturn.py",
+                         config=config, check=False)
+        assert proc.returncode != 0 and "--no-ds3-gather-for-generation" in proc.stderr
+
+
+def test_sigterm_checkpoints_the_update_and_a_resume_finishes_as_uninterrupted(chat, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, update_rows, without_wall_clock
+    from test_preemption import signalled
+
+    args = tiny_args(chat, "tests/envs.py:SayWord", "--total-episodes", "320", "--eval-samples", "2")
+    _, reference = run_ppo(args, tmp_path / "whole", script="ppo_multiturn.py")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "ppo_multiturn.py"), "--output-dir", str(out), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"})
+    stdout, stderr = signalled(proc, out, signal.SIGTERM)
+    stopped = update_rows(out / "metrics.jsonl")[-1]["update"]
+    assert proc.returncode == 143 and 1 < stopped < 20, stderr[-3000:]
+    _, rows = run_ppo(args + ["--resume", "auto"], out, script="ppo_multiturn.py")
+    assert without_wall_clock(rows) == without_wall_clock(reference)
