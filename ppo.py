@@ -1367,7 +1367,8 @@ class Setup:
     eval_index: list[int]  # their places among all held-out prompts
     eval_judged: list[bool]  # its own, which its judge sees (not a repeat of another's)
     rewards: Rewards
-    probe_ids: list[list[int]]  # the first training prompts' ids: the start-up checks' probe (ppo_harness/)
+    # the first training prompts' ids: the probe of the start-up checks (ppo_harness/forwards.py)
+    probe_ids: list[list[int]]
     compiled: bool = False  # --compile: the training step and the sampler through torch.compile
     # compiled: every update's queries padded to the widest prompt (one compilation)
     query_width: int | None = None
@@ -1485,10 +1486,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         sft_adapters=sft_adapters, fresh_adapter=fresh_adapter, value_model_path=value_model_path,
         value_init=value_init, tokenizer=tokenizer, stop_token_id=stop_token_id, eos_check_id=eos_check_id,
         train_dataset=train_dataset, eval_rows=eval_rows, eval_index=eval_index, eval_judged=eval_judged,
-        rewards=rewards, probe_ids=train_dataset[:4]["input_ids"], compiled=compiled, query_width=query_width,
-        notes=[
+        rewards=rewards, compiled=compiled, query_width=query_width, notes=[
             f"warning: {repeated} of the {n} held-out prompts also appear among the training prompts "
-            f"(repeated rows in {args.dataset_name})"] * bool(repeated))
+            f"(repeated rows in {args.dataset_name})"] * bool(repeated),
+        probe_ids=train_dataset[:4]["input_ids"])
 
 
 def check_args(args: Args) -> None:

@@ -891,7 +891,8 @@ class Setup:
     stop_token_id: int | None
     train_dataset: Dataset
     eval_rows: Dataset  # this process's held-out posts, with their `index` among all of them
-    probe_ids: list[list[int]]  # the first training posts' ids: the start-up checks' probe (ppo_harness/)
+    # the first training posts' ids: the probe of the start-up checks (ppo_harness/forwards.py)
+    probe_ids: list[list[int]]
     compiled: bool = False  # --compile: the training step and the sampler through torch.compile
     # compiled: every update's queries padded to the widest post (one compilation)
     query_width: int | None = None
