@@ -93,7 +93,7 @@ class Args:
     label_key: str | None = None
     """OpenRLHF's agents: the column they get as `label` (None: `label`, or None where there is
     none)"""
-    eval_samples: Annotated[int, "[0, inf)"] = 256
+    eval_samples: Annotated[int, "[0, inf)"] = 128
     """rows held out from the end of the split for eval/scores and the sample tables (0: none)"""
 
     # the environment
@@ -109,13 +109,13 @@ class Args:
     tokens would pass this (None: the policy's max_position_embeddings)"""
 
     # batch sizes (see `batch_sizes` for the arithmetic)
-    total_episodes: Annotated[int, "[1, inf)"] = 3584
+    total_episodes: Annotated[int, "[1, inf)"] = 768
     """the total number of episodes to train on (the one budget knob)"""
     per_device_train_batch_size: Annotated[int, "[1, inf)"] = 16
     """the micro-batch size per process: episodes in one training forward/backward"""
     gradient_accumulation_steps: Annotated[int, "[1, inf)"] = 1
     """micro-batches accumulated into one minibatch, which is one optimizer step"""
-    num_mini_batches: Annotated[int, "[1, inf)"] = 16
+    num_mini_batches: Annotated[int, "[1, inf)"] = 4
     """minibatches (optimizer steps) per PPO epoch"""
     num_ppo_epochs: Annotated[int, "[1, inf)"] = 1
     """passes of PPO over each rollout batch"""
@@ -177,7 +177,7 @@ class Args:
     num_trainable_layers: Annotated[int | None, "[1, inf)"] = 6
     """train only the top N transformer blocks of policy and value model (and the layers after
     them); None: all"""
-    learning_rate: Annotated[float, "[0, inf)"] = 3e-5
+    learning_rate: Annotated[float, "[0, inf)"] = 7e-5
     """the AdamW learning rate, annealed linearly to 0 over the updates"""
     critic_learning_rate: Annotated[float | None, "[0, inf)"] = None
     """the value parameters' own starting lr, annealed as the policy's (SAO: 5x the policy's);
@@ -218,7 +218,7 @@ class Args:
     """recompute the trained blocks' activations in the backward pass instead of storing them"""
 
     # logging and checkpoints
-    eval_every: Annotated[int, "[0, inf)"] = 4
+    eval_every: Annotated[int, "[0, inf)"] = 6
     """play the held-out episodes every N updates, before the first and after the last (0: only
     those two)"""
     save_every: Annotated[int, "[0, inf)"] = 0
