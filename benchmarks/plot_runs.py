@@ -1,4 +1,4 @@
-"""Plot and summarise runs of ppo.py or ppo_tldr.py from their metrics.jsonl (and samples.jsonl) files.
+"""Plot and summarise runs of ppo.py, ppo_tldr.py or ppo_multiturn.py from their metrics.jsonl (and samples.jsonl) files.
 
     python benchmarks/plot_runs.py -o cmp.png runs/default-seed* --label default runs/lr1e-5-* --label "lr 1e-5"
 
@@ -41,7 +41,8 @@ def series(rows: list[dict], keys: tuple[str, ...]) -> dict[int, float]:
 
 
 def drift_share(samples: list[dict], update: int) -> float | None:
-    responses = [s["model response"] for s in samples if s["update"] == update]
+    # ppo_multiturn.py's tables hold whole transcripts: no single response to read
+    responses = [s["model response"] for s in samples if s["update"] == update and "model response" in s]
     return sum(bool(DRIFT.search(r)) for r in responses) / len(responses) if responses else None
 
 

@@ -7,7 +7,7 @@ page was made plain, 20 the critic's own lr and epochs added, 10 --push-to-hub's
 and its `main` in at most 200; ppo_multiturn.py in 1,500; `generate` is the plain sampling loop, at most 20 lines; no
 function of a script takes a speed choice as a parameter (the README's ledger: a hand-written speed path is a
 wrapper named at one line of `main`); the harness keeps to 100 columns on nine lines in ten; the README at most 310
-lines (300, and 10 for the multi-turn sibling's section), benchmarks/README.md 300."""
+lines (300, and 10 for the multi-turn sibling's section), benchmarks/README.md 330 (300, and 30 for its task)."""
 import ast
 import io
 import json
@@ -114,7 +114,8 @@ def test_the_walk_from_the_update_loop_to_the_first_optimizer_step_does_not_grow
     assert len(walk["walk"]) <= 52 and len(walk["files"]) <= 4, walk
 
 
-# the README: 300, + 10 for ppo_multiturn.py's section (the rest of its guide is docs/multiturn.md)
-@pytest.mark.parametrize("document, most", [("README.md", 310), ("benchmarks/README.md", 300)])
+# the README: 300, + 10 for ppo_multiturn.py's section (the rest of its guide is docs/multiturn.md); the benchmarks:
+# 300, + 30 for its task's measurements
+@pytest.mark.parametrize("document, most", [("README.md", 310), ("benchmarks/README.md", 330)])
 def test_documents_stay_within_their_length(document, most):
     assert len(shipped(document).splitlines()) <= most
