@@ -1260,7 +1260,7 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
     eval_rows = dataset.select(eval_row_numbers) if n > 0 else []
     train_dataset = dataset.select(range(len(dataset) - n))
     # the environment tried on two rows before any model loads: reset, and a first (empty) turn
-    probe_ids = try_environment(env, tokenizer, train_dataset, args)
+    probe_ids = try_environment(env, tokenizer, train_dataset, args, max_context)
     if args.shared_value_head:
         value_model_path = None
         value_init = "value: a linear head on the policy's final hidden state (--shared-value-head)"
@@ -1287,9 +1287,10 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
         probe_ids=probe_ids)
 
 
-def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args) -> list[list[int]]:
+def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args, max_context: int) -> list[list[int]]:
     """The environment on the first two rows, before any model loads: fresh instances reset and
-    stepped once with an empty turn, each answer checked (`Environment` names a wrong one). Their
+    stepped once with an empty turn, each answer checked (`Environment` names a wrong one), and
+    their first contexts checked to leave room for a turn (`play_episodes` checks every row's). Their
     first contexts and answers' ids are the probe the start-up checks of ppo_harness/forwards.py
     run the page's forwards on (repeated to 8 tokens at least: a check needs tokens after the first)."""
     first = [dict(zip(rows.column_names, values)) for values in zip(*rows[:2].values())]
@@ -1297,6 +1298,13 @@ def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args) -> l
                if env.openrlhf else None)
     labels = [row.get(args.label_key or "label") for row in first]
     episodes, firsts = env.start(first, [0, 1][:len(first)], prompts, labels)
+    for row, text in enumerate(firsts):
+        context = (tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
+                   first_turn_tokens(tokenizer, text))
+        if len(context) + args.response_length > max_context:
+            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} tokens, so one "
+                             f"turn of --response-length {args.response_length} would pass the {max_context} "
+                             "tokens of --max-context-length (None: the policy's positions)")
     answers = env.step(episodes, [""] * len(episodes))
     probe = [(tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
               first_turn_tokens(tokenizer, text))

@@ -287,7 +287,8 @@ def test_the_context_limit_ends_episodes_or_refuses_the_first(chat, tmp_path):
     _, rows = run(chat, tmp_path / "full", "--max-context-length", "40", env="tests/envs.py:LongAnswers")
     assert all(row["val/context_full_episodes"] == 16 and row["val/num_turns"] == 1 for row in rows)
     proc, _ = run(chat, tmp_path / "first", "--max-context-length", "6", check=False)
-    assert proc.returncode != 0 and "the episode of row" in proc.stderr and "--max-context-length" in proc.stderr
+    assert proc.returncode != 0 and "the episode of row 0 starts with" in proc.stderr and "--max-context-length" in proc.stderr
+    assert not (tmp_path / "first").exists()  # refused at start-up, before any model loads
     proc, _ = run(chat, tmp_path / "positions", "--max-context-length", "4096", check=False)
     assert proc.returncode != 0 and "128 positions" in proc.stderr
 
