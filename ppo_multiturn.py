@@ -1298,18 +1298,16 @@ def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args, max_
                if env.openrlhf else None)
     labels = [row.get(args.label_key or "label") for row in first]
     episodes, firsts = env.start(first, [0, 1][:len(first)], prompts, labels)
-    for row, text in enumerate(firsts):
-        context = (tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
-                   first_turn_tokens(tokenizer, text))
+    contexts = [tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
+                first_turn_tokens(tokenizer, text) for text in firsts]
+    for row, context in enumerate(contexts):
         if len(context) + args.response_length > max_context:
             raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} tokens, so one "
                              f"turn of --response-length {args.response_length} would pass the {max_context} "
                              "tokens of --max-context-length (None: the policy's positions)")
     answers = env.step(episodes, [""] * len(episodes))
-    probe = [(tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
-              first_turn_tokens(tokenizer, text))
-             + observation_tokens(tokenizer, observation, False, env.openrlhf)
-             for text, (observation, _, _) in zip(firsts, answers)]
+    probe = [context + observation_tokens(tokenizer, observation, False, env.openrlhf)
+             for context, (observation, _, _) in zip(contexts, answers)]
     return [ids * math.ceil(8 / max(len(ids), 1)) for ids in probe]
 
 
