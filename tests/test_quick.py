@@ -11,7 +11,8 @@ distribution training scores (`scale_logits`'): the rollout is on-policy.
     HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q -p no:cacheprovider
     PPO_SCRIPT=my_ppo.py PPO_ARGS="--my-flag 0.3" HF_HUB_OFFLINE=1 python -m pytest tests/test_quick.py -q
 
-A copy lives beside the original, where it finds ppo_harness/; PPO_ARGS and PPO_TLDR_ARGS add flags to every run."""
+A copy lives beside the original, where it finds ppo_harness/; PPO_ARGS, PPO_TLDR_ARGS and PPO_MULTITURN_ARGS add flags
+to every run (PPO_TLDR_SCRIPT and PPO_MULTITURN_SCRIPT name the siblings' copies)."""
 import importlib.util
 import math
 import os
@@ -27,22 +28,29 @@ import tyro
 
 from conftest import ROOT, assert_same_run, run_ppo, tiny_args
 from test_tldr import tiny_args as tldr_args
+from test_multiturn import chat  # noqa: F401 (the multi-turn fixture: tiny models with a chat template, rows)
+from test_multiturn import tiny_args as multiturn_args
 from test_tldr import tldr  # noqa: F401 (the TL;DR fixture: tiny models with a biased reward model, posts)
 
-SCRIPTS = {"ppo": os.environ.get("PPO_SCRIPT", "ppo.py"), "tldr": os.environ.get("PPO_TLDR_SCRIPT", "ppo_tldr.py")}
-EXTRA = {"ppo": shlex.split(os.environ.get("PPO_ARGS", "")), "tldr": shlex.split(os.environ.get("PPO_TLDR_ARGS", ""))}
+SCRIPTS = {"ppo": os.environ.get("PPO_SCRIPT", "ppo.py"), "tldr": os.environ.get("PPO_TLDR_SCRIPT", "ppo_tldr.py"),
+           "multiturn": os.environ.get("PPO_MULTITURN_SCRIPT", "ppo_multiturn.py")}
+EXTRA = {kind: shlex.split(os.environ.get(variable, "")) for kind, variable in
+         [("ppo", "PPO_ARGS"), ("tldr", "PPO_TLDR_ARGS"), ("multiturn", "PPO_MULTITURN_ARGS")]}
+KINDS = ["ppo", "tldr", "multiturn"]
 
 
 def quick_args(request, assets, kind: str, updates: int = 2) -> list[str]:
     """`updates` updates of 16 responses on the tiny models, with the copier's flags."""
     if kind == "ppo":
         args = tiny_args(assets, "--eval-samples", "4", "--num-trainable-layers", "1", "--shared-value-head")
+    elif kind == "multiturn":  # tests/envs.py's SayWord, episodes of up to 3 turns
+        args = multiturn_args(request.getfixturevalue("chat"), "tests/envs.py:SayWord", "--eval-samples", "4")
     else:
         args = tldr_args(request.getfixturevalue("tldr"))
     return [*args, "--total-episodes", str(16 * updates), *EXTRA[kind]]
 
 
-@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwards(request, assets, tmp_path, kind):
     args = quick_args(request, assets, kind)
     ledger = ["--sampler", "static"] if kind == "tldr" else []  # TL;DR trains every block: no trunk
@@ -50,7 +58,8 @@ def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwa
     plain, plain_rows = run_ppo([*args, "--no-fast-paths"], tmp_path / "plain", script=SCRIPTS[kind])
     assert len(fast_rows) == 2 and all(math.isfinite(v) for r in fast_rows for v in r.values()
                                        if isinstance(v, float))
-    assert (tmp_path / "fast" / "model.safetensors").exists() and "sampler: dynamic KV cache" in plain.stdout
+    assert (tmp_path / "fast" / "model.safetensors").exists()
+    assert kind == "multiturn" or "sampler: dynamic KV cache" in plain.stdout  # its turns sample with `generate`
     assert_same_run(plain_rows, fast_rows, rel=1e-4)
     banner = " ".join(fast.stdout.split())
     if SCRIPTS[kind] == "ppo.py":  # unedited, the trunk passes its start-up check and runs (a copy's may not)
@@ -61,9 +70,12 @@ def test_a_short_run_trains_through_the_ledgers_paths_as_through_the_plain_forwa
         assert "full forwards" not in banner
     elif SCRIPTS[kind] == "ppo_tldr.py":
         assert "sampler: static KV cache, uncompiled" in banner
+    elif SCRIPTS[kind] == "ppo_multiturn.py":
+        assert "frozen trunks run once per update: policy 1 blocks, reference 1 blocks (the policy's)" in banner
+        assert "LM head: over vocabulary blocks in training" in banner
 
 
-@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_resume_from_every_checkpoint_gives_the_rest_of_the_run_again(request, assets, tmp_path, kind):
     """State the loop carries from one update to the next (its ALGO LOGIC markers at the checkpoint and after
     `start_run`) must be saved: a run of 5 updates, evaluated after each, resumed into a new folder from each of its
@@ -102,7 +114,7 @@ def resumes_give_the_same_run(args: list[str], tmp_path, script: str) -> None:
             f"resumed from checkpoint {k}, the final model differs: {LOST_STATE}")
 
 
-@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_at_learning_rate_0_the_rollout_is_on_policy(request, assets, tmp_path, kind):
     """The policy is the reference and does not move: the ratio is 1 and the KL 0, unless sampling's log-probs are
     not training's (a sampling rule whose log-probs differ from `scale_logits`': the rollout is off-policy)."""
@@ -146,7 +158,7 @@ def assert_samples_what_training_scores(script, args) -> None:
                        "must be applied in scale_logits, which every training forward uses too")
 
 
-@pytest.mark.parametrize("kind", ["ppo", "tldr"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_sampling_draws_from_the_distribution_training_scores(kind):
     """The tokens `sample_next` draws (20,000 from one set of logits) follow softmax(scale_logits(...)), the
     distribution every training forward scores, and the log-prob it returns is that distribution's: a sampling rule
