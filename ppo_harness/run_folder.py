@@ -232,10 +232,12 @@ def check_output_dir(output_dir: Path, reads: dict[str, str | None]) -> None:
 def move_aside(output_dir: Path) -> Path:
     """--overwrite: the old run's folder renamed, whole, to a hidden name beside it, and an empty
     one made: a kill leaves the old run or the new one, never a mix. The caller deletes the old one
-    once it holds the new folder."""
-    aside = output_dir.with_name(f".{output_dir.name}.overwritten-{socket.gethostname()}-{os.getpid()}")
-    os.replace(output_dir, aside)
-    output_dir.mkdir()
+    once it holds the new folder. Through a symlink, the folder it points to is the run's: that one
+    moves aside, on its own disk, and the link stays, pointing at the new folder."""
+    real = output_dir.resolve() if output_dir.is_symlink() else output_dir
+    aside = real.with_name(f".{real.name}.overwritten-{socket.gethostname()}-{os.getpid()}")
+    os.replace(real, aside)
+    real.mkdir()
     return aside
 
 

@@ -297,6 +297,20 @@ def test_overwrite_moves_the_old_run_aside_whole(assets, tmp_path):
     assert not list(tmp_path.glob(".run.overwritten-*"))  # deleted once the new folder was taken
 
 
+def test_overwrite_through_a_symlinked_folder_replaces_the_run_it_points_to(assets, tmp_path):
+    """--output-dir a symlink: the folder it points to is moved aside and deleted, the link kept and pointing at the
+    new run's folder (the link itself renamed, an empty folder in its place and rmtree refusing a link: the old
+    run never deleted, its lock left behind)."""
+    real = finished_run(tmp_path / "disk" / "run")
+    (real / "args.json").write_text("{}")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    set_up(assets, link, "--overwrite")
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert sorted(p.name for p in real.iterdir()) == [".lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"] and os.listdir(tmp_path / "disk") == ["run"]
+
+
 def test_a_resume_from_an_older_checkpoint_continues_its_own_branch(assets, tmp_path):
     """A finished run resumed from an earlier checkpoint: the later checkpoints (the abandoned future) are moved aside,
     not deleted, and `latest` names the resumed one, so a kill in the next update resumes this branch."""
