@@ -41,10 +41,19 @@ class Run:
 
     def log_update(self, update: int, metrics: dict, samples: list[dict] = (), training_seconds: float = 0.0):
         """An update's metrics (with `eps`, episodes per second since the loop began; a metric that
-        is not finite stops the run) and a few of its rollout's rows; what torch.compile compiled
+        is not finite, or an update --dynamic-sampling left empty, stops the run) and a few of its
+        rollout's rows; what torch.compile compiled
         during it, on the console."""
         if not all(math.isfinite(v) for v in metrics.values()):
             raise FloatingPointError(f"update {update}: non-finite metrics {metrics}")
+        # as an update no reward judged (reward_calls.no_row_judged): one that trained on nothing stops the run
+        if metrics.get("val/dynamic_sampling_dropped") == 1.0:
+            raise ValueError(
+                f"update {update}: every group of --num-generations responses scored alike, so "
+                "--dynamic-sampling left every response out of the loss and the update trained on "
+                "nothing (val/dynamic_sampling_dropped 1.0). The reward cannot tell one prompt's "
+                "responses apart (a constant reward? every answer right or every one wrong?): try it "
+                "on a few responses, raise --num-generations, or drop --dynamic-sampling")
         eps = (update - self.start_update + 1) * self.batch_size / (time.time() - self.start_time)
         self.log.log(update, {**metrics, "eps": round(eps, 3)}, samples)
         self.compile_watch.report(update, training_seconds, self.console if self.accelerator.is_main_process

@@ -366,6 +366,15 @@ def test_grpo_keeps_the_kl_out_of_its_advantages(assets, tmp_path):
     assert "val/explained_variance" not in rows[1]  # no critic to explain the returns
 
 
+def test_dynamic_sampling_stops_at_an_update_whose_every_group_scored_alike(assets, tmp_path):
+    """A reward that scores every response alike after update 1 leaves every group out of update 2's loss: the run
+    stops there, saying why, instead of saving an untrained model with exit 0."""
+    proc, rows = run_ppo(args_for(assets, *EXACT, "--dynamic-sampling", "--total-episodes", "48",
+                                  reward_fn="tests/rewards.py:signal_in_update_one_only"), tmp_path, check=False)
+    assert proc.returncode != 0 and "update 2: every group of --num-generations responses scored alike" in proc.stderr
+    assert [r["update"] for r in rows] == [1] and not (tmp_path / "model.safetensors").exists()
+
+
 def naive_k3(new, ref, mask):
     """The mean over unmasked tokens of exp(ref - new) - (ref - new) - 1 (DeepSeekMath's eq. 4), in Python floats."""
     terms = [math.exp(r - n) - (r - n) - 1 for nr, rr, mr in zip(new, ref, mask) for n, r, m in zip(nr, rr, mr) if m]
