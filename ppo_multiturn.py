@@ -747,19 +747,7 @@ def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], ar
     policy sampled, their log-probs, the turns' rewards, how it ended."""
     tokenizer, stop_token_id, env = setup.tokenizer, setup.stop_token_id, setup.env
     pad_token_id = tokenizer.pad_token_id
-    labels = [row.get(args.label_key or "label") for row in rows]
-    prompts = ([openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in rows]
-               if env.openrlhf else None)
-    envs, firsts = env.start(rows, indices, prompts, labels)
-    # the first context: a user message through the chat template, or OpenRLHF's observation, raw
-    contexts = [tokenizer(first, add_special_tokens=False)["input_ids"] if env.openrlhf else
-                first_turn_tokens(tokenizer, first) for first in firsts]
-    for row, context in zip(indices, contexts):
-        if len(context) + args.response_length > setup.max_context:
-            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} "
-                             f"tokens, so one turn of --response-length {args.response_length} "
-                             f"would pass the {setup.max_context} tokens of --max-context-length "
-                             "(None: the policy's positions)")
+    envs, contexts = start_episodes(env, tokenizer, rows, indices, args, setup.max_context)
     episodes = [dict(query=list(c), tokens=[], actions=[], logprobs=[], scores=[], turns=0,
                      ended=None) for c in contexts]
     for turn in range(args.max_turns):
@@ -796,6 +784,26 @@ def play_episodes(policy, setup: Setup, rows: list[dict], indices: list[int], ar
             e["scores"] += [0.0] * len(seen)
             contexts[i] = contexts[i] + seen
     return episodes
+
+
+def start_episodes(env: Environment, tokenizer, rows: list[dict], indices: list[int], args: Args,
+                   max_context: int) -> tuple[list, list[list[int]]]:
+    """A fresh environment per row, reset: (the episodes, their first contexts' ids: the first user
+    message through the chat template, or OpenRLHF's observation, raw). A first context that leaves
+    no room for one turn is refused, naming its row."""
+    labels = [row.get(args.label_key or "label") for row in rows]
+    prompts = ([openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in rows]
+               if env.openrlhf else None)
+    episodes, firsts = env.start(rows, indices, prompts, labels)
+    contexts = [tokenizer(first, add_special_tokens=False)["input_ids"] if env.openrlhf else
+                first_turn_tokens(tokenizer, first) for first in firsts]
+    for row, context in zip(indices, contexts):
+        if len(context) + args.response_length > max_context:
+            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} "
+                             f"tokens, so one turn of --response-length {args.response_length} "
+                             f"would pass the {max_context} tokens of --max-context-length "
+                             "(None: the policy's positions)")
+    return episodes, contexts
 
 
 def first_turn_tokens(tokenizer, message: str) -> list[int]:
@@ -1290,21 +1298,11 @@ def set_up(args: Args) -> tuple[Accelerator, Setup]:
 def try_environment(env: Environment, tokenizer, rows: Dataset, args: Args, max_context: int) -> list[list[int]]:
     """The environment on the first two rows, before any model loads: fresh instances reset and
     stepped once with an empty turn, each answer checked (`Environment` names a wrong one), and
-    their first contexts checked to leave room for a turn (`play_episodes` checks every row's). Their
+    their first contexts checked to leave room for a turn (`start_episodes`, as for every row). Their
     first contexts and answers' ids are the probe the start-up checks of ppo_harness/forwards.py
     run the page's forwards on (repeated to 8 tokens at least: a check needs tokens after the first)."""
     first = [dict(zip(rows.column_names, values)) for values in zip(*rows[:2].values())]
-    prompts = ([openrlhf_prompt(tokenizer, row[args.dataset_prompt_column]) for row in first]
-               if env.openrlhf else None)
-    labels = [row.get(args.label_key or "label") for row in first]
-    episodes, firsts = env.start(first, [0, 1][:len(first)], prompts, labels)
-    contexts = [tokenizer(text, add_special_tokens=False)["input_ids"] if env.openrlhf else
-                first_turn_tokens(tokenizer, text) for text in firsts]
-    for row, context in enumerate(contexts):
-        if len(context) + args.response_length > max_context:
-            raise ValueError(f"{args.env}: the episode of row {row} starts with {len(context)} tokens, so one "
-                             f"turn of --response-length {args.response_length} would pass the {max_context} "
-                             "tokens of --max-context-length (None: the policy's positions)")
+    episodes, contexts = start_episodes(env, tokenizer, first, list(range(len(first))), args, max_context)
     answers = env.step(episodes, [""] * len(episodes))
     probe = [context + observation_tokens(tokenizer, observation, False, env.openrlhf)
              for context, (observation, _, _) in zip(contexts, answers)]

@@ -26,6 +26,7 @@ the algorithm). Each module has one concern and reads alone:
 - `tokenizers`: the chat template's use, the end-of-turn token, a reward model's own tokenizer, and
   their checks;
 - `keywords`: the keywords TRL calls a reward function with (no dataset column may take one);
+- `user_code`: the module a flag's `file.py:name` or `module:name` names, imported, a failure named;
 - `reward_fns`: reward functions loaded (a built-in name, module:function, file.py:function, a URL);
 - `reward_server`: a served reward over HTTP, in this script's keywords or OpenRLHF's protocol;
 - `reward_stacks`: OpenRLHF's `reward_func` and verl's `compute_score`, called as TRL calls a

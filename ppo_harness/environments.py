@@ -14,17 +14,24 @@ row. Two protocols run unchanged:
   OpenRLHF's `MultiTurnAgentExecutor` appends them: such an agent writes its own chat formatting.
   OpenRLHF builds the instance with no arguments; an `async def __init__`, which its own example
   has, is awaited."""
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 
 from ppo_harness.event_loop import await_together
+from ppo_harness.user_code import import_user_module
 
 BUILTIN_ENVS = {"guess-number": "ppo_harness.guess_number:GuessNumber"}  # the default task
+
+
+def scalar(value):
+    """A 1-element tensor or array (OpenRLHF's examples return tensors) as a Python number, numpy's
+    or torch's bool as a bool; anything else as it is (a wrong type is refused by the caller)."""
+    try:
+        return value.item() if hasattr(value, "item") else value
+    except (ValueError, RuntimeError):  # more than one element
+        return value
 
 
 @dataclass
@@ -45,19 +52,7 @@ class Environment:
         module_name, sep, class_name = BUILTIN_ENVS.get(spec, spec).rpartition(":")
         if not sep or not module_name or not class_name:
             raise ValueError(f"{flag} {spec!r}: expected `path/to/file.py:Class` or `module:Class`")
-        try:
-            if module_name.endswith(".py"):
-                if not Path(module_name).is_file():
-                    raise FileNotFoundError(f"no file {module_name}")
-                module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-                module = importlib.util.module_from_spec(module_spec)
-                module_spec.loader.exec_module(module)
-            else:
-                module = importlib.import_module(module_name)
-        except (ImportError, FileNotFoundError) as e:
-            raise ValueError(f"{flag} {spec!r}: cannot import {module_name!r} ({e})") from e
-        except Exception as e:  # a SyntaxError, NameError... while the file runs
-            raise ValueError(f"{flag} {spec!r}: loading {module_name!r} raised {type(e).__name__}: {e}") from e
+        module = import_user_module(module_name, flag, spec)
         self.cls = getattr(module, class_name, None)
         if not inspect.isclass(self.cls):
             raise ValueError(f"{flag} {spec!r}: {module_name!r} has no class {class_name!r}")
@@ -73,11 +68,10 @@ class Environment:
         """A fresh instance per row, reset: (the episodes, their first texts: this protocol's first
         user message, or OpenRLHF's observation, raw). `prompts`, `labels`: what OpenRLHF's reset
         gets (the rendered prompt column, the label column)."""
-        n = len(rows)
-        built = self._call([self.cls.__new__(self.cls) for _ in range(n)],
-                           lambda obj, i: self.cls.__init__(obj), "__init__", indices)
-        episodes = [Episode(obj, row, labels[i] if labels else None) for i, (obj, row) in
-                    enumerate(zip((b[0] for b in built), indices))]
+        instances = [obj for obj, _ in self._call([self.cls.__new__(self.cls) for _ in rows],
+                                                  lambda obj, i: self.cls.__init__(obj), "__init__", indices)]
+        episodes = [Episode(obj, row, labels[i] if labels else None)
+                    for i, (obj, row) in enumerate(zip(instances, indices))]
         if self.openrlhf:
             outs = self._call([e.instance for e in episodes],
                               lambda obj, i: obj.reset({"observation": prompts[i], "label": episodes[i].label}),
@@ -143,10 +137,7 @@ class Environment:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError(self._wrong("step", row, raw, expected))
         observation, reward, done = out
-        if hasattr(reward, "item") and getattr(reward, "numel", lambda: getattr(reward, "size", 1))() == 1:
-            reward = reward.item()  # a 1-element tensor or array (OpenRLHF's examples return tensors)
-        if hasattr(done, "item") and not isinstance(done, bool):
-            done = done.item()  # numpy's or torch's bool
+        reward, done = scalar(reward), scalar(done)
         if (not (observation is None or isinstance(observation, str)) or not isinstance(reward, numbers.Real)
                 or not isinstance(done, bool) or not math.isfinite(float(reward))):
             raise ValueError(self._wrong("step", row, raw, expected + ", the reward finite"))

@@ -9,6 +9,8 @@ import random
 import re
 from pathlib import Path
 
+from ppo_harness.writes import write_atomic
+
 DEFAULT_ROWS = "cache/guess_number_v1.jsonl"
 LOW, HIGH = 1, 8
 
@@ -36,8 +38,4 @@ def build_rows(path: str = DEFAULT_ROWS, n: int = 4096, seed: int = 0) -> None:
     """`n` rows of a secret each, seeded; written whole (a temporary name, then a rename)."""
     rng = random.Random(seed)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(f"{path}.partial")
-    with open(partial, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"target": rng.randint(LOW, HIGH)}) + "\n")
-    partial.replace(path)
+    write_atomic(Path(path), "".join(json.dumps({"target": rng.randint(LOW, HIGH)}) + "\n" for _ in range(n)))

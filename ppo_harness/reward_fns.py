@@ -2,14 +2,13 @@
 run as they are: a built-in name, `module:function`, `file.py:function` or a served reward's URL
 (`reward_server`); a function in OpenRLHF's or verl's convention wrapped to be called as TRL calls
 one (`reward_stacks`). How they are called is `reward_calls`, what they log `reward_logs`."""
-import importlib
-import importlib.util
 import inspect
 from pathlib import Path
 from typing import Callable
 
 from ppo_harness.reward_server import ServedReward
 from ppo_harness.reward_stacks import OpenRLHFReward, VerlComputeScore
+from ppo_harness.user_code import import_user_module
 
 
 def reward_names(model_paths, fn_specs) -> list[str]:
@@ -39,20 +38,7 @@ def load_reward_fn(spec: str, url_timeout: float = 60.0, url_retries: int = 3, u
     if not sep or not module_name or not fn_name:
         raise ValueError(f"--reward-fn {spec!r}: expected `module:function`, "
                          "`path/to/file.py:function` or a URL")
-    try:
-        if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            if module_spec is None or not Path(module_name).is_file():
-                raise FileNotFoundError(module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except (ImportError, FileNotFoundError) as e:
-        raise ValueError(f"--reward-fn {spec!r}: cannot import {module_name!r} ({e})") from e
-    except Exception as e:  # a SyntaxError, NameError... while the file runs
-        raise ValueError(f"--reward-fn {spec!r}: loading {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
+    module = import_user_module(module_name, "--reward-fn", spec)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn {spec!r}: {module_name!r} has no callable {fn_name!r}")
