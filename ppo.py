@@ -21,6 +21,9 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from datasets import Dataset
+# before peft, whose import makes the compile cache's folder: the package refuses a
+# TORCHINDUCTOR_CACHE_DIR that cannot be made, by name (not a traceback from inside that import)
+import ppo_harness  # noqa: F401
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -40,7 +43,7 @@ from ppo_harness.reward_stacks import check_label_key
 from ppo_harness.rewards import Rewards, load_rewards, reward_notes
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
-from ppo_harness.run_log import RunLog, check_finite_losses
+from ppo_harness.run_log import RunLog, check_finite_losses, lr_outside_schedule
 from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.tokenizers import end_of_turn_token_id, is_chat, load_reward_tokenizers
 
@@ -301,6 +304,9 @@ class Args:
     fast_paths: bool = True
     """the hand-written paths of the README's ledger, each where its start-up check passes: the frozen trunk run
     once per update, and on CUDA the static sampler (off: full forwards and the dynamic cache alone)"""
+    fused_lm_head: bool = False
+    """training's LM head over vocabulary blocks, a hand-written autograd (README: the ledger): 2.2x
+    on the throughput bench (49k words, hidden 128), 1.06x on the default run: off unless asked"""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the training step (`ppo_loss`) and the sampler; auto: on CUDA for runs long
     enough to pay it back (README "Speed"), off on the CPU (slower there)"""
@@ -868,17 +874,24 @@ def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_up
     from its own start to 0 over the updates it trains (N+ detail 29). During VC-PPO's value
     pretraining (--value-warmup-updates, verl's critic_warmup) the policy's group waits at 0 and
     its anneal has not started (verl steps the actor's scheduler only when the actor updates):
-    it anneals over the updates after. When the warm-up ends, the policy's Adam state is dropped,
-    since the warm-up stepped it on zero gradients."""
+    it anneals over the updates after. When the policy trains after an update it did not (the
+    warm-up's end, or a resume that shortened it), its Adam state is dropped: those updates stepped
+    it on zero gradients (the group records whether it trained, in the checkpoint). Each lr is set
+    here from `initial_lr`: an lr written into a group elsewhere would be overwritten: refused."""
     train_policy = update > value_warmup_updates
-    if value_warmup_updates and update == value_warmup_updates + 1:
-        for p in optimizer.param_groups[0]["params"]:
+    policy = optimizer.param_groups[0]
+    if train_policy and not policy.get("trained", True):
+        for p in policy["params"]:
             optimizer.state.pop(p, None)
+    policy["trained"] = train_policy
     for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
+        if group["lr"] != group.get("scheduled_lr", group["initial_lr"]):
+            raise ValueError(lr_outside_schedule(group))
         waited = value_warmup_updates if group["name"] == "policy" else 0  # the policy's anneal waits
         anneal = 1.0 - (update - 1 - waited) / (num_updates - waited)
-        group["lr"] = anneal * group["initial_lr"] if update > waited else 0.0
-    return optimizer.param_groups[0]["lr"], train_policy
+        lr = anneal * group["initial_lr"] if update > waited else 0.0
+        group["lr"] = group["scheduled_lr"] = lr
+    return policy["lr"], train_policy
 
 
 # ---- Phase 1: sampling (the policy's own loop, through a KV cache) -------------------------------
@@ -1621,8 +1634,8 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     num_frozen, shares, trunk_note = check_trunks(sys.modules[__name__], args, setup, policy, ref_policy,
                                                   value_model, value_head)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
-    # speed: training's log-probs straight from the hidden states, a block of the vocabulary at a
-    # time, where its probe equals the page's forward (README: the ledger)
+    # speed, --fused-lm-head: training's log-probs straight from the hidden states, a block of the
+    # vocabulary at a time, where its probe equals the page's forward (README: the ledger)
     model, head_note = fused_head(sys.modules[__name__], model, setup, args, setup.compiled)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
@@ -1654,11 +1667,11 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from (a
-    critic warm-up sets the policy group's to 0)."""
+    """An optimizer group per trained module, by name: `initial_lr`, where the lr's anneal starts,
+    and `scheduled_lr`, the lr the schedule set last (another lr there was written elsewhere)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
-    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
+    return [dict(g, lr=lr, initial_lr=lr, scheduled_lr=lr) for g in groups if g["params"]]
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):

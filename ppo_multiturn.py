@@ -27,12 +27,15 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from datasets import Dataset
+# before peft, whose import makes the compile cache's folder: the package refuses a
+# TORCHINDUCTOR_CACHE_DIR that cannot be made, by name (not a traceback from inside that import)
+import ppo_harness  # noqa: F401
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from ppo_harness.environments import Environment
-from ppo_harness.forwards import blocks_only, check_trunks, frozen_trunk, fused_head, transformer_blocks, unpeft
+from ppo_harness.forwards import blocks_only, check_trunks, frozen_trunk, transformer_blocks, unpeft
 from ppo_harness.guess_number import DEFAULT_ROWS, build_rows
 from ppo_harness.launch import check_flags, gather_once, process_share, start, summed_over_processes
 from ppo_harness.models import (check_scalar_model, gathered_for_init, lora_config, model_files, outside_zero_init,
@@ -40,7 +43,7 @@ from ppo_harness.models import (check_scalar_model, gathered_for_init, lora_conf
 from ppo_harness.prompt_files import load_prompt_dataset
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
-from ppo_harness.run_log import RunLog, check_finite_losses
+from ppo_harness.run_log import RunLog, check_finite_losses, lr_outside_schedule
 from ppo_harness.tokenizers import end_of_turn_token_id
 
 # logprob written at padding positions: ref and policy both get it, so their KL there is 0
@@ -677,17 +680,24 @@ def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_up
     from its own start to 0 over the updates it trains (N+ detail 29). During VC-PPO's value
     pretraining (--value-warmup-updates, verl's critic_warmup) the policy's group waits at 0 and
     its anneal has not started (verl steps the actor's scheduler only when the actor updates):
-    it anneals over the updates after. When the warm-up ends, the policy's Adam state is dropped,
-    since the warm-up stepped it on zero gradients."""
+    it anneals over the updates after. When the policy trains after an update it did not (the
+    warm-up's end, or a resume that shortened it), its Adam state is dropped: those updates stepped
+    it on zero gradients (the group records whether it trained, in the checkpoint). Each lr is set
+    here from `initial_lr`: an lr written into a group elsewhere would be overwritten: refused."""
     train_policy = update > value_warmup_updates
-    if value_warmup_updates and update == value_warmup_updates + 1:
-        for p in optimizer.param_groups[0]["params"]:
+    policy = optimizer.param_groups[0]
+    if train_policy and not policy.get("trained", True):
+        for p in policy["params"]:
             optimizer.state.pop(p, None)
+    policy["trained"] = train_policy
     for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
+        if group["lr"] != group.get("scheduled_lr", group["initial_lr"]):
+            raise ValueError(lr_outside_schedule(group))
         waited = value_warmup_updates if group["name"] == "policy" else 0  # the policy's anneal waits
         anneal = 1.0 - (update - 1 - waited) / (num_updates - waited)
-        group["lr"] = anneal * group["initial_lr"] if update > waited else 0.0
-    return optimizer.param_groups[0]["lr"], train_policy
+        lr = anneal * group["initial_lr"] if update > waited else 0.0
+        group["lr"] = group["scheduled_lr"] = lr
+    return policy["lr"], train_policy
 
 
 # ---- Phase 1: the episodes: the policy's turns (its own loop) and the environment's answers ----
@@ -1397,9 +1407,6 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     num_frozen, shares, trunk_note = check_trunks(sys.modules[__name__], args, setup, policy, ref_policy,
                                                   value_model, value_head)
     model = PolicyAndValueWrapper(policy, value_model, value_head)
-    # speed: training's log-probs straight from the hidden states, a block of the vocabulary at a
-    # time, where its probe equals the page's forward (README: the ledger)
-    model, head_note = fused_head(sys.modules[__name__], model, setup, args, False)
     # AdamW over policy AND value, eps 1e-5 (N+ detail 9), no weight decay (TRL's default), a group each
     # ALGO LOGIC: the critic's own lr (--critic-learning-rate: SAO's 5x; OpenRLHF's critic_learning_rate,
     # verl's critic.optim.lr). Under --shared-value-head the value group is the head alone: the trunk under
@@ -1418,15 +1425,15 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
         for m in frozen_models:
             m.to(dtype)
     return Models(model, optimizer, policy, ref_policy, value_model, value_head, num_frozen, shares,
-                  [trunk_note, head_note])
+                  [trunk_note])
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from (a
-    critic warm-up sets the policy group's to 0)."""
+    """An optimizer group per trained module, by name: `initial_lr`, where the lr's anneal starts,
+    and `scheduled_lr`, the lr the schedule set last (another lr there was written elsewhere)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
-    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
+    return [dict(g, lr=lr, initial_lr=lr, scheduled_lr=lr) for g in groups if g["params"]]
 
 
 def add_adapters(policy: nn.Module, args: Args, sft_adapters: dict[str, Path], fresh_adapter: LoraConfig | None):

@@ -25,13 +25,12 @@ from datasets import Dataset
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from ppo_harness.forwards import fused_head
 from ppo_harness.launch import check_flags, gather_once, process_share, start
 from ppo_harness.models import check_scalar_model, gathered_for_init, shard_frozen
 from ppo_harness.prompt_files import check_text_columns, load_prompt_dataset
 from ppo_harness.run import start_run
 from ppo_harness.run_folder import RunFolder, claim
-from ppo_harness.run_log import RunLog, check_finite_losses, print_rows
+from ppo_harness.run_log import RunLog, check_finite_losses, lr_outside_schedule, print_rows
 from ppo_harness.speed import CompiledOrEager, ready_to_compile, should_compile, static_sampler
 from ppo_harness.writes import write_atomic
 
@@ -486,7 +485,9 @@ def main(args: Args) -> None:
         # ALGO LOGIC: schedules (lr, args.temperature, kl_coef), set from `update`
         anneal = 1.0 - (update - 1.0) / sizes.num_updates  # the lr anneals linearly (N+ detail 29)
         for group in optimizer.param_groups:  # "policy" and "value", each from its own starting lr
-            group["lr"] = anneal * group["initial_lr"]
+            if group["lr"] != group.get("scheduled_lr", group["initial_lr"]):  # written elsewhere
+                raise ValueError(lr_outside_schedule(group))
+            group["lr"] = group["scheduled_lr"] = anneal * group["initial_lr"]
         lr = optimizer.param_groups[0]["lr"]  # the policy's
         indices = rollout_indices(len(setup.train_dataset), sizes, update, args.seed,
                                   accelerator.process_index)
@@ -1090,9 +1091,6 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
     for m in (ref_policy, reward_model):
         m.eval().requires_grad_(False).to(accelerator.device)
     model = PolicyAndValueWrapper(policy, value_model)
-    # speed: training's log-probs straight from the hidden states, a block of the vocabulary at a
-    # time, where its probe equals the page's forward (README: the ledger)
-    model, head_note = fused_head(sys.modules[__name__], model, setup, args, setup.compiled)
     # transformers installs its hidden-state hooks under a lock dynamo cannot trace
     if setup.compiled:
         ready_to_compile(model)
@@ -1114,15 +1112,15 @@ def load_models(args: Args, accelerator: Accelerator, setup: Setup) -> Models:
                     f"(--compile {args.compile})"
     return Models(model, optimizer, policy, ref_policy, value_model, reward_model,
                   reference_score(accelerator, reward_model, setup, args.local_rollout_forward_batch_size),
-                  [head_note, training_step], sampler=model)
+                  [training_step], sampler=model)
 
 
 def param_groups(lr: float, **modules: nn.Module) -> list[dict]:
-    """An optimizer group per trained module, by name, with the lr main's anneal starts from (a
-    critic warm-up sets the policy group's to 0)."""
+    """An optimizer group per trained module, by name: `initial_lr`, where the lr's anneal starts,
+    and `scheduled_lr`, the lr the schedule set last (another lr there was written elsewhere)."""
     groups = [dict(name=name, params=[p for p in m.parameters() if p.requires_grad])
               for name, m in modules.items()]
-    return [dict(group, lr=lr, initial_lr=lr) for group in groups if group["params"]]
+    return [dict(g, lr=lr, initial_lr=lr, scheduled_lr=lr) for g in groups if g["params"]]
 
 
 def disable_dropout(model: nn.Module) -> None:

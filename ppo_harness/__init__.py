@@ -44,3 +44,21 @@ the algorithm). Each module has one concern and reads alone:
 - `speed`: --compile's settings, and the CUDA static-cache sampler that stands in for the policy in
   the script's `generate` where its probe passes (README: the ledger).
 """
+import os as _os
+
+
+def _check_compile_cache_folder() -> None:
+    """A TORCHINDUCTOR_CACHE_DIR that cannot be made stops the run here, by name: torch's compiler
+    makes that folder when it is imported (peft and transformers import it), which would end every
+    run, --compile off too, in a traceback from inside that import."""
+    given = _os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given:
+        try:
+            _os.makedirs(given, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"TORCHINDUCTOR_CACHE_DIR={given}: that folder cannot be made ({e.strerror}); "
+                             "unset it (compiled runs then use cache/torch_compile) or point it to a "
+                             "folder that can be written") from None
+
+
+_check_compile_cache_folder()  # on import: each script imports this package before peft

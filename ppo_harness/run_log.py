@@ -155,3 +155,11 @@ def check_finite_losses(accelerator, losses: list, update: int, checkpoints) -> 
         raise FloatingPointError(f"update {update} (epoch {epoch}, minibatch {minibatch}): non-finite "
                                  "loss on some rank; the last good checkpoint is "
                                  f"kept in {checkpoints}")
+
+
+def lr_outside_schedule(group: dict) -> str:
+    """Why a run stops at an lr written into an optimizer group outside the script's schedule."""
+    return (f"the optimizer group {group.get('name', '?')!r} has lr {group['lr']}, written outside the script's "
+            f"schedule, which sets every group's lr each update from its 'initial_lr' ({group['initial_lr']}) "
+            "and would overwrite it: set group['initial_lr'] to the starting lr you want (the critic's: "
+            "--critic-learning-rate), or change the schedule itself")

@@ -88,6 +88,26 @@ def compile_cache(root: str = "cache/torch_compile") -> str:
     return given
 
 
+def damaged_cache(cache: str, error: Exception) -> str:
+    """The console's line for a compile cache whose files failed to load (a partial write, a disk
+    error, another torch's files): which folder, and what to do."""
+    first = next((line for line in str(error).splitlines() if cache in line), str(error))[:300]
+    return (f"the compile cache {cache} holds a file that does not load ({first}); this run compiles "
+            "again without reading or writing that cache: delete the folder (or set "
+            "TORCHINDUCTOR_CACHE_DIR to another) so that later runs start warm")
+
+
+def forget_compile_cache() -> None:
+    """Compile from nothing from here on: inductor's FX graph cache and AOTAutograd's cache off, and
+    what dynamo compiled so far dropped."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    torch._dynamo.reset()
+
+
 def ready_to_compile(*models) -> None:
     """transformers installs the hooks that record hidden states (`output_hidden_states`) on the
     first forward that asks for them, under a lock dynamo cannot trace: install them before the
@@ -104,11 +124,14 @@ def ready_to_compile(*models) -> None:
 class CompiledOrEager:
     """A compiled training step that falls back to the eager one where the compiler fails on its
     first call (an operator it cannot trace whole, a kernel that does not build), saying so once:
-    with --compile auto the run goes on eagerly; with --compile on the error is raised."""
+    with --compile auto the run goes on eagerly; with --compile on the error is raised. A failure
+    that names the compile cache's folder (a damaged file there) is said, and the step compiled
+    once more without the cache, whichever the setting."""
 
     def __init__(self, compiled, eager, strict: bool, console=print):
         self.compiled, self.eager, self.strict, self.console, self.first = (compiled, eager, strict,
                                                                             console, True)
+        self.without_cache = False  # set once a damaged compile cache was met: compiled without it
 
     def __call__(self, *args, **kwargs):
         if not self.first:
@@ -117,6 +140,12 @@ class CompiledOrEager:
             out = self.compiled(*args, **kwargs)
         # the compiler's errors are of many kinds (dynamo's, inductor's, triton's)
         except Exception as error:
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            if cache and cache in str(error) and not self.without_cache:
+                self.console(damaged_cache(cache, error))
+                self.without_cache = True
+                forget_compile_cache()
+                return self(*args, **kwargs)
             if self.strict:
                 raise
             self.console(f"the training step did not compile ({type(error).__name__}: "

@@ -166,3 +166,44 @@ def test_a_compiled_run_trains_as_the_eager_one(assets, tmp_path):
     assert "update 1: torch.compile made 1 graph(s)" in out and "update 2: torch.compile made" not in out
     assert all(r["val/num_eos_tokens"] == 16 for r in eager_rows)  # every response ended: the batch stopped early
     assert_same_run(compiled_rows, eager_rows, rel=1e-4)
+
+
+DAMAGED_CACHE_STEP = """
+import sys
+import torch
+from ppo_harness.speed import CompiledOrEager
+
+def step(x):
+    return torch.sin(x) * 2 + x.cos()
+
+said = []
+out = CompiledOrEager(torch.compile(step, fullgraph=True, dynamic=False), step, strict=True, console=said.append)(
+    torch.ones(8))
+assert torch.allclose(out, step(torch.ones(8)))
+print("SAID", *said)
+"""
+
+
+def test_a_damaged_compile_cache_is_named_and_the_step_compiles_without_it(tmp_path):
+    """A compile cache whose kernel files no longer load (a torn write; another torch's files) used to stop a compiled
+    run with inductor's "Failed to import <cache>/....py UnicodeDecodeError" and no word of the cache. The step is
+    compiled again without reading or writing the cache, and the console names the folder and says to delete it;
+    under --compile on too (`strict`), since the step itself compiles. A real cache, damaged: two runs of inductor."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "torch_compile"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first = subprocess.run([sys.executable, "-c", DAMAGED_CACHE_STEP], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "SAID" in first.stdout and "compile cache" not in first.stdout  # warm now, and nothing to say
+    kernels = [p for p in cache.rglob("*.py")]
+    assert kernels
+    for path in kernels:
+        path.write_bytes(b"\xff\xfe\x00 not python")
+    second = subprocess.run([sys.executable, "-c", DAMAGED_CACHE_STEP], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"the compile cache {cache} holds a file that does not load" in second.stdout
+    assert "delete the folder" in second.stdout

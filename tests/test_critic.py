@@ -237,3 +237,47 @@ def test_the_value_losss_gradient_does_not_grow_with_the_micro_batch_count(aggre
     whole = gradient(1)
     assert whole.abs().sum() > 0
     torch.testing.assert_close(gradient(4), whole, rtol=1e-12, atol=1e-14)
+
+
+def test_an_lr_written_outside_the_schedule_is_refused_and_initial_lr_is_honoured():
+    """Every group's lr is set each update from its `initial_lr`, so an lr written into a group elsewhere (after
+    `prepare`, before the loop or inside it) would do nothing: it is refused, naming the group and the key to write.
+    A new `initial_lr` is the schedule's own source, and is honoured."""
+    _, _, optimizer = optimizer_for(1e-2, 5e-2)
+    ppo.set_learning_rates(optimizer, 1, 4)
+    optimizer.param_groups[1]["lr"] = 0.123  # the critic's lr, as an edit would set it
+    with pytest.raises(ValueError, match=r"'value' has lr 0.123, written outside.*initial_lr"):
+        ppo.set_learning_rates(optimizer, 2, 4)
+    _, _, optimizer = optimizer_for(1e-2, 5e-2)
+    optimizer.param_groups[0]["lr"] = 0.5  # before the first update
+    with pytest.raises(ValueError, match="'policy' has lr 0.5"):
+        ppo.set_learning_rates(optimizer, 1, 4)
+    _, _, optimizer = optimizer_for(1e-2, 5e-2)
+    ppo.set_learning_rates(optimizer, 1, 4)
+    optimizer.param_groups[1]["initial_lr"] = 0.2
+    ppo.set_learning_rates(optimizer, 2, 4)
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(naive_lr(0.2, 2, 4, 0), rel=1e-15)
+
+
+def test_a_resume_that_shortens_the_warm_up_drops_the_policys_adam_state(assets, tmp_path):
+    """A run warming its critic for 3 updates, resumed from update 2 with --value-warmup-updates 1: its first
+    trained update (3) starts the policy's AdamW afresh, as the end of a warm-up does (its zero-gradient steps
+    dropped): 4 steps in checkpoint 3, not 12. The group records whether the policy trained (in the checkpoint); the
+    reset used to fire only at update warm-up + 1 (2 here), which the resumed run never runs."""
+    import json
+    import shutil
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    args = args_for(assets, *EXACT, "--total-episodes", "64", "--save-every", "1")
+    run_ppo(args + ["--value-warmup-updates", "3"], full)
+    assert adam_steps(full, 4) == {"policy": {4.0}, "value": {16.0}}  # reset when the warm-up ended
+    shutil.copytree(full, resumed)
+    for update in (3, 4):
+        shutil.rmtree(resumed / "checkpoints" / f"update-{update:06d}")
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        lines = (resumed / log).read_text().splitlines()
+        (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 2))
+    run_ppo(args + ["--value-warmup-updates", "1", "--resume", "auto", "--resume-with-changes",
+                    "value-warmup-updates"], resumed)
+    assert adam_steps(resumed, 3) == {"policy": {4.0}, "value": {12.0}}
+    assert adam_steps(resumed, 4) == {"policy": {8.0}, "value": {16.0}}

@@ -498,6 +498,21 @@ def test_numpy_scalars_and_bools_are_scores():
     assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()
 
 
+@pytest.mark.parametrize("script", ["ppo.py", "ppo_tldr.py", "ppo_multiturn.py"])
+def test_a_compile_cache_folder_that_cannot_be_made_is_refused_by_name_before_any_import_meets_it(script, tmp_path):
+    """torch's compiler makes TORCHINDUCTOR_CACHE_DIR when it is imported (peft's import does it), so a folder that
+    cannot be made used to end every run, --compile off too, in a 25-frame traceback from inside `import peft`. The
+    harness package, imported first, refuses it in a sentence that names the variable and what to do."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(a_file / "cache")}
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"TORCHINDUCTOR_CACHE_DIR={a_file / 'cache'}: that folder cannot be made" in proc.stderr
+    assert "unset it" in proc.stderr
+
+
 def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspeed_never(monkeypatch):
     """--compile auto: on for one CUDA process without DeepSpeed in a run of at least 40 updates; off on the CPU, for
     several processes, under DeepSpeed or in a short run. --compile on under DeepSpeed or on several processes is

@@ -2,9 +2,10 @@
 checkout): an edit made in place is never failed here, and a copy is not measured at all. Size is read as a reader
 reads it: lines, with a statement split over lines where it is long (at most a tenth of a file's lines over 100
 columns, so nothing is merged to save lines), and prose (full-line comments and docstrings) at most a third of a
-script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,730 lines (1,700 when the
-page was made plain, 20 the critic's own lr and epochs added, 10 --push-to-hub's flags and the truncation marker)
-and its `main` in at most 200; ppo_multiturn.py in 1,500; `generate` is the plain sampling loop, at most 20 lines; no
+script's characters (a reference, not a manual). ppo.py holds every feature in at most 1,743 lines (1,700 when the
+page was made plain, 20 the critic's own lr and epochs added, 10 --push-to-hub's flags and the truncation marker, 13
+the lr schedule's own record, the compile cache checked before peft's import and --fused-lm-head's flag) and its
+`main` in at most 200; ppo_multiturn.py in 1,507; `generate` is the plain sampling loop, at most 20 lines; no
 function of a script takes a speed choice as a parameter (the README's ledger: a hand-written speed path is a
 wrapper named at one line of `main`); the harness keeps to 100 columns on nine lines in ten; the README at most 310
 lines (300, and 10 for the multi-turn sibling's section), benchmarks/README.md 330 (300, and 30 for its task)."""
@@ -21,10 +22,13 @@ import pytest
 from conftest import ROOT
 
 # script: (lines, lines of `main`); ppo.py: 1,700 for the plain page's features, + 20 for --critic-learning-rate,
-# --critic-epochs and the warm-up that waits, + 10 for --push-to-hub's flags and the truncation marker;
+# --critic-epochs and the warm-up that waits, + 10 for --push-to-hub's flags and the truncation marker, + 7 for the
+# lr schedule's record (the warm-up's Adam reset found again by a resume that shortened it; an lr written outside
+# the schedule refused), + 3 for the harness imported before peft (a compile cache folder that cannot be made,
+# refused by name), + 3 for --fused-lm-head (the ledger's LM head, off by default);
 # ppo_multiturn.py, the multi-turn sibling: 1,500 (its own rollout and credit assignment beside ppo.py's core,
-# without ppo.py's reward stack and reasoning flags)
-LIMITS = {"ppo.py": (1_730, 200), "ppo_tldr.py": (1_150, 160), "ppo_multiturn.py": (1_500, 160)}
+# without ppo.py's reward stack and reasoning flags), + 7 and + 3 as ppo.py's
+LIMITS = {"ppo.py": (1_743, 200), "ppo_tldr.py": (1_150, 160), "ppo_multiturn.py": (1_507, 160)}
 # parameter names that would thread a speed choice through the page (what the ledger's wrappers replaced)
 SPEED_PARAMETERS = {"shortcuts", "kept", "keep", "fused_head", "static", "static_step", "pieces", "fast_paths"}
 
@@ -103,15 +107,17 @@ def test_the_harness_keeps_to_100_columns_on_nine_lines_in_ten():
 
 
 def test_the_walk_from_the_update_loop_to_the_first_optimizer_step_does_not_grow():
-    """tests/walk.py's trace of the default run on tiny models (the working tree's ppo.py): at most the 52 functions
-    in 4 files it opened when the ledger's forwards became one module, the fused head's 4 included (tests/README.md
-    lists them; the aim is 35)."""
+    """tests/walk.py's trace of the default run on tiny models (the working tree's ppo.py): at most the 50 functions
+    in 4 files it opens since the LM head over vocabulary blocks left the default run (tests/README.md lists them;
+    the aim is 35), and no hand-written autograd among them: the training step's backward is torch's, of the page's
+    own forward."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "walk.py"), "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     walk = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ("ppo.py", "ppo_loss") in map(tuple, walk["walk"]) and ("ppo.py", "generate") in map(tuple, walk["walk"])
-    assert len(walk["walk"]) <= 52 and len(walk["files"]) <= 4, walk
+    assert len(walk["walk"]) <= 50 and len(walk["files"]) <= 4, walk
+    assert not any(name.endswith(".backward") for _, name in walk["walk"]), walk
 
 
 # the README: 300, + 10 for ppo_multiturn.py's section (the rest of its guide is docs/multiturn.md); the benchmarks:
