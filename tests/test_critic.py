@@ -281,3 +281,17 @@ def test_a_resume_that_shortens_the_warm_up_drops_the_policys_adam_state(assets,
                     "value-warmup-updates"], resumed)
     assert adam_steps(resumed, 3) == {"policy": {4.0}, "value": {12.0}}
     assert adam_steps(resumed, 4) == {"policy": {8.0}, "value": {16.0}}
+
+
+@pytest.mark.parametrize("aggregation", ["micro-batch", "token"])
+def test_the_value_losss_gradient_on_two_processes_is_the_single_process_full_batch_gradient(aggregation, tmp_path):
+    """The critic's effective lr does not depend on how a minibatch is split (verl PR#6957 scaled it by the number of
+    micro-batches): on 2 data-parallel processes, each with 4 micro-batches of its half (accelerate's accumulate and
+    backward, DDP's average), the value head's gradient equals the gradient of the whole minibatch as one
+    micro-batch on one process, in float64 (tests/value_gradient.py), under both aggregations (the value loss is a
+    micro-batch's token mean under each: --loss-aggregation reshapes the policy's terms). A value loss normalised per
+    micro-batch by a constant instead (a sum / 4) fails it, as it fails the one-process test above."""
+    from conftest import launch
+
+    proc, _ = launch(["--aggregation", aggregation, "--accumulation", "4"], tmp_path, script="tests/value_gradient.py")
+    assert f"AGREE: 2 processes x 4 micro-batches, {aggregation}" in proc.stdout, proc.stdout[-2000:]
