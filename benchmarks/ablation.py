@@ -66,6 +66,8 @@ ROWS = {  # name: flags beyond the task's (plain PPO: today's defaults)
     "length-better-critic": BETTER_CRITIC,
     "length-decoupled-gae-better-critic": ["--lam", "0.95", "--lam-critic", "1.0", *BETTER_CRITIC],
     "length-adaptive-gae-better-critic": ["--lam-length-alpha", "0.05", *BETTER_CRITIC],
+    # plain PPO again, at the commit of the critic rows' later seeds (length-ppo's seeds ran at e45b849)
+    "length-ppo-again": [],
     "arithmetic-ppo": [],
     "arithmetic-vapo": VAPO,
     "arithmetic-grpo": ["--advantage-estimator", "grpo", *GROUP],

@@ -1,6 +1,7 @@
 """The quick check after an edit (about two minutes a script on 2 CPU cores): each script, or an edited copy of
 it, trains short runs on tiny models. One through the README ledger's hand-written paths (ppo.py: the frozen trunk
-run once per update; ppo_tldr.py: the static-cache sampler, uncompiled) and one with --no-fast-paths agree update by
+run once per update and, asked for, the LM head over vocabulary blocks; ppo_tldr.py: the static-cache sampler,
+uncompiled) and one with --no-fast-paths agree update by
 update (a copier's edited forward that the trunk no longer matches is refused at start-up, so the two still agree).
 A run of five updates,
 evaluated after each, resumed from every checkpoint gives the rest of the run again, its final model too (what the
