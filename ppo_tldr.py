@@ -43,9 +43,9 @@ TLDR_COLUMNS = ("subreddit", "title", "post", "summary")
 EVAL_TEMPERATURE = 0.01
 RESUME_MAY_CHANGE = {  # a resume may change how the run is logged, saved or run, not what it trains
     "exp_name", "track", "wandb_project_name", "wandb_entity", "output_dir", "eval_every", "save_every",
-    "save_at_end", "save_total_limit", "push_to_hub", "hub_model_id", "hub_private_repo", "resume", "overwrite",
-    "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation", "eval_samples",
-    "compile"}
+    "save_at_end", "save_total_limit", "push_to_hub", "hub_model_id", "hub_private_repo", "hub_strategy", "resume",
+    "overwrite", "resume_with_changes", "peer_timeout", "trust_remote_code", "ds3_gather_for_generation",
+    "eval_samples", "compile"}
 
 
 # ALGO LOGIC: a new flag: a field and its docstring; a number's interval: Annotated[int, "[0, 9)"]
@@ -170,6 +170,9 @@ class Args:
     """the Hub repository to push to (default: your namespace / the run's name)"""
     hub_private_repo: bool = False
     """create that repository private"""
+    hub_strategy: Literal["end", "all_checkpoints"] = "end"
+    """end: push once, at the end (TRL's default); all_checkpoints: each checkpoint too, as the branch
+    update-NNNNNN (TRL's pushes them as folders)"""
     resume: str | None = None
     """continue from a checkpoint directory, or `auto`: the newest whole one in --output-dir (if
     none, start)"""

@@ -3,7 +3,9 @@
 reachable, a token set, HF_HUB_OFFLINE unset); pushed once, at the end of a finished run, from the main process: the
 policy (or its adapter), the tokenizer, the value head or value model, merged/ where there is one, the run's flags and
 logs, and a model card (the command, the held-out scores, the commit). A push that fails loses nothing: the run folder
-is complete, and the message gives the command that pushes it later. Checkpoints are not pushed."""
+is complete, and the message gives the command that pushes it later. With --hub-strategy all_checkpoints each checkpoint
+is pushed too when it is written, as the repository's branch `update-NNNNNN` (a failed one is said, and the run goes
+on); else checkpoints stay local."""
 import json
 import os
 import shlex
@@ -26,7 +28,9 @@ def check_hub(args) -> None:
     it, before any model loads."""
     if not getattr(args, "push_to_hub", False):
         given = [flag for flag, value in (("--hub-model-id", getattr(args, "hub_model_id", None)),
-                                          ("--hub-private-repo", getattr(args, "hub_private_repo", False))) if value]
+                                          ("--hub-private-repo", getattr(args, "hub_private_repo", False)),
+                                          ("--hub-strategy all_checkpoints",
+                                           getattr(args, "hub_strategy", "end") == "all_checkpoints")) if value]
         if given:
             raise ValueError(f"{' and '.join(given)} name the Hub repository --push-to-hub pushes to: add "
                              "--push-to-hub, or drop them")
@@ -91,8 +95,7 @@ def push_run(args, folder: Path, run_name: str, console) -> bool:
     api = HfApi()
     repo_id = args.hub_model_id
     try:
-        if repo_id is None:
-            repo_id = f"{api.whoami()['name']}/{run_name}"
+        repo_id = repo_of(api, args, run_name)
         api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True, repo_type="model")
         (folder / "README.md").write_text(model_card(args, folder, repo_id))
         api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", ignore_patterns=NOT_PUSHED,
@@ -104,4 +107,31 @@ def push_run(args, folder: Path, run_name: str, console) -> bool:
                       f"complete; push it later with:\n  {later}")
         return False
     console.print(f"pushed to https://huggingface.co/{repo_id}")
+    return True
+
+
+def repo_of(api, args, run_name: str) -> str:
+    """--hub-model-id, or the user's namespace / the run's name."""
+    return args.hub_model_id or f"{api.whoami()['name']}/{run_name}"
+
+
+def push_checkpoint(args, checkpoint: Path, run_name: str, console) -> bool:
+    """--hub-strategy all_checkpoints: one checkpoint's folder (the resume state: weights, optimizer, random states) as
+    the repository's branch of its name, `update-NNNNNN`; whether it was pushed. A failure is said, with the command
+    that pushes it later, and the run goes on (the checkpoint is on disk)."""
+    from huggingface_hub import HfApi
+
+    api, branch, repo_id = HfApi(), checkpoint.name, args.hub_model_id
+    try:
+        repo_id = repo_of(api, args, run_name)
+        api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True, repo_type="model")
+        api.create_branch(repo_id, branch=branch, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=repo_id, folder_path=checkpoint, revision=branch, repo_type="model",
+                          commit_message=f"PPO run {run_name}: checkpoint {branch}")
+    except Exception as e:
+        console.print(f"[red]--hub-strategy all_checkpoints: checkpoint {branch} was not pushed ({type(e).__name__}: "
+                      f"{e}); it is in {checkpoint}, and the run goes on. Push it later with:\n  hf upload "
+                      f"{repo_id or 'USER/' + run_name} {checkpoint} . --revision {branch}")
+        return False
+    console.print(f"pushed checkpoint {branch} to https://huggingface.co/{repo_id}/tree/{branch}")
     return True

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from ppo_harness.checkpoints import save_checkpoint
-from ppo_harness.hub import push_run
+from ppo_harness.hub import push_checkpoint, push_run
 from ppo_harness.preemption import Preemption
 from ppo_harness.run_folder import RunFolder
 from ppo_harness.run_log import RunLog, print_banner
@@ -70,6 +70,10 @@ class Run:
         if at_end or stopping or (self.args.save_every > 0 and update % self.args.save_every == 0):
             save_checkpoint(self.accelerator, self.folder, dict(update=update, episode=episode, finished=last, lr=lr,
                                                                 **state, **self.run_state))
+            if (getattr(self.args, "push_to_hub", False) and self.args.hub_strategy == "all_checkpoints"
+                    and self.accelerator.is_main_process):
+                push_checkpoint(self.args, self.folder.checkpoints / f"update-{update:06d}", self.folder.run_name,
+                                self.console)
         self.log.progress.update(self.log.task, advance=1)
         return stopping
 

@@ -1,7 +1,7 @@
 """--push-to-hub without the Hub: the start-up refusals (offline, no token, the Hub not answering, the Hub flags
 without --push-to-hub) before any model loads, and whole runs of both scripts through tests/hub_recorded.py, which
 records the calls huggingface_hub receives and keeps what `upload_folder` would upload: the repository, its privacy,
-no checkpoints, a model card with the command and the held-out scores, and a folder that loads with `from_pretrained`
+no checkpoints (with --hub-strategy all_checkpoints each, as a branch), a model card with the command and the held-out scores, and a folder that loads with `from_pretrained`
 (policy and value) to the trained weights. A push that fails loses nothing and names the command that pushes later."""
 import json
 from types import SimpleNamespace as NS
@@ -99,3 +99,41 @@ def test_a_failed_push_loses_nothing_and_says_how_to_push_later(assets, tmp_path
     assert proc.returncode == 0 and "--push-to-hub failed (ConnectionError: the Hub went away)" in out
     assert f"hf upload me/x {tmp_path / 'run'} . --exclude 'checkpoints/*'" in out
     assert (tmp_path / "run" / "model.safetensors").exists() and (tmp_path / "run" / "value_model").is_dir()
+
+
+def test_all_checkpoints_pushes_each_checkpoint_as_a_branch_that_resumes(assets, tmp_path, monkeypatch):
+    """--hub-strategy all_checkpoints: each checkpoint, when it is written, goes to the branch of its name (the final
+    push to main as without it); what the branch holds is the whole checkpoint (its checksums verify), and a run
+    resumes from it. Without --push-to-hub the flag is refused, as the other Hub flags."""
+    from ppo_harness.checkpoints import checkpoint_problem
+
+    proc, rows, calls, remote = recorded_run(
+        tiny_args(assets, "--push-to-hub", "--hub-model-id", "me/ppo-tiny", "--save-every", "1", "--hub-strategy",
+                  "all_checkpoints"), tmp_path, monkeypatch)
+    assert [c["call"] for c in calls] == ["whoami", *["create_repo", "create_branch", "upload_folder"] * 2,
+                                          "create_repo", "upload_folder"]
+    assert [c["branch"] for c in calls if c["call"] == "create_branch"] == ["update-000001", "update-000002"]
+    assert [c.get("revision") for c in calls if c["call"] == "upload_folder"] == ["update-000001", "update-000002",
+                                                                                None]
+    out = " ".join(proc.stdout.split())
+    assert "pushed checkpoint update-000001 to https://huggingface.co/me/ppo-tiny/tree/update-000001" in out, out
+    downloaded = tmp_path / "downloaded" / "update-000001"  # as `hf download me/ppo-tiny --revision update-000001`
+    downloaded.parent.mkdir()
+    (remote / "@update-000001").rename(downloaded)
+    assert checkpoint_problem(downloaded) is None
+    assert (remote / "model.safetensors").exists() and not (remote / "checkpoints").exists()
+    resumed, rows_resumed = run_ppo(tiny_args(assets, "--resume", str(downloaded)), tmp_path / "resumed")
+    assert "continuing at update 2" in resumed.stdout and [r["update"] for r in rows_resumed] == [2]
+    with pytest.raises(ValueError, match="--hub-strategy all_checkpoints name the Hub repository"):
+        hub.check_hub(flags(push_to_hub=False, hub_strategy="all_checkpoints"))
+
+
+def test_a_checkpoint_push_that_fails_says_how_and_the_run_goes_on(assets, tmp_path, monkeypatch):
+    proc, rows, _, _ = recorded_run(tiny_args(assets, "--push-to-hub", "--hub-model-id", "me/x", "--save-every", "1",
+                                              "--hub-strategy", "all_checkpoints"), tmp_path, monkeypatch, fail=True)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and [r["update"] for r in rows] == [1, 2]
+    assert "checkpoint update-000001 was not pushed (ConnectionError: the Hub went away)" in out
+    checkpoint = tmp_path / "run" / "checkpoints" / "update-000001"
+    # the console wraps the long path: its pieces are there
+    assert "Push it later with: hf upload me/x" in out and ". --revision update-000001" in out and checkpoint.is_dir()
