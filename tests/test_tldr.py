@@ -580,6 +580,19 @@ def test_push_to_hub_pushes_the_tldr_run(tldr, tmp_path, monkeypatch):
     assert "pushed to https://huggingface.co/me/tldr" in proc.stdout
 
 
+def test_hub_strategy_all_checkpoints_pushes_each_tldr_checkpoint_as_a_branch(tldr, tmp_path, monkeypatch):
+    """--hub-strategy all_checkpoints in ppo_tldr.py: each checkpoint to its branch when written, then the run."""
+    from test_hub import recorded_run
+
+    _, rows, calls, remote = recorded_run(tiny_args(tldr, "--push-to-hub", "--hub-model-id", "me/tldr", "--save-every",
+                                                    "1", "--hub-strategy", "all_checkpoints"),
+                                          tmp_path, monkeypatch, script="ppo_tldr.py")
+    branches = [c["branch"] for c in calls if c["call"] == "create_branch"]
+    assert branches == [f"update-{u:06d}" for u in range(1, len(rows) + 1)] and len(rows) >= 2
+    assert all((remote / f"@{b}" / "trainer_state.json").exists() for b in branches)
+    assert calls[-1]["call"] == "upload_folder" and calls[-1].get("revision") is None  # the run, to main
+
+
 def test_every_flag_is_exercised_by_a_test():
     source = Path(__file__).read_text()
     missing = [f.name for f in dataclasses.fields(ppo_tldr.Args)
