@@ -295,3 +295,29 @@ def test_the_value_losss_gradient_on_two_processes_is_the_single_process_full_ba
 
     proc, _ = launch(["--aggregation", aggregation, "--accumulation", "4"], tmp_path, script="tests/value_gradient.py")
     assert f"AGREE: 2 processes x 4 micro-batches, {aggregation}" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_critic_epochs_draw_their_minibatches_as_a_naive_loop_does(assets, tmp_path):
+    """With --num-ppo-epochs 2 --critic-epochs 1 every epoch of an update draws its own permutation of the rollout's
+    rows from numpy's generator (seeded by --seed) and walks it minibatch by minibatch, micro-batch by micro-batch;
+    the third trains the value loss alone. The rows of every training step (recorded by tests/epoch_order.py) equal a
+    naive loop's, over both updates."""
+    import json
+
+    import numpy as np
+    import tyro
+
+    argv = args_for(assets, *EXACT, "--num-ppo-epochs", "2", "--critic-epochs", "1", "--seed", "3")
+    proc, rows = run_ppo(argv, tmp_path, script="tests/epoch_order.py")
+    calls = [json.loads(line[len("RECORD "):]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+    a = tyro.cli(ppo.Args, args=argv)
+    n, mini, micro = (a.per_device_train_batch_size * a.gradient_accumulation_steps * a.num_mini_batches,
+                      a.per_device_train_batch_size * a.gradient_accumulation_steps, a.per_device_train_batch_size)
+    rng, expected = np.random.RandomState(3), []  # accelerate's set_seed(3) seeds numpy's global generator so
+    for _ in rows:
+        for epoch in range(3):
+            order = rng.permutation(n)
+            for start in range(0, n, micro):  # minibatches of `mini` rows, each in micro-batches of `micro`
+                expected.append({"rows": order[start:start + micro].tolist(), "train_policy": epoch < 2})
+    assert len(rows) == 2 and n % mini == 0 and len(calls) == len(expected) == 2 * 3 * (n // micro)
+    assert calls == expected
