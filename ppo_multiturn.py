@@ -686,7 +686,8 @@ def set_learning_rates(optimizer, update: int, num_updates: int, value_warmup_up
     it anneals over the updates after. When the policy trains after an update it did not (the
     warm-up's end, or a resume that shortened it), its Adam state is dropped: those updates stepped
     it on zero gradients (the group records whether it trained, in the checkpoint). Each lr is set
-    here from `initial_lr`: an lr written into a group elsewhere would be overwritten: refused."""
+    here from the group's `initial_lr`, so an lr written into a group anywhere else would be
+    overwritten without a word; it is refused instead."""
     train_policy = update > value_warmup_updates
     policy = optimizer.param_groups[0]
     if train_policy and not policy.get("trained", True):
