@@ -125,8 +125,8 @@ class CompiledOrEager:
     """A compiled training step that falls back to the eager one where the compiler fails on its
     first call (an operator it cannot trace whole, a kernel that does not build), saying so once:
     with --compile auto the run goes on eagerly; with --compile on the error is raised. A failure
-    that names the compile cache's folder (a damaged file there) is said, and the step compiled
-    once more without the cache, whichever the setting."""
+    that names the compile cache's folder is tried once more without the cache, whichever the
+    setting; where that compiles, a file there was damaged, and the console names the folder."""
 
     def __init__(self, compiled, eager, strict: bool, console=print):
         self.compiled, self.eager, self.strict, self.console, self.first = (compiled, eager, strict,
@@ -141,11 +141,15 @@ class CompiledOrEager:
         # the compiler's errors are of many kinds (dynamo's, inductor's, triton's)
         except Exception as error:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            # the error names the cache: compiled once more without it; if that compiles, a file
+            # there was damaged, and the console says which folder
             if cache and cache in str(error) and not self.without_cache:
-                self.console(damaged_cache(cache, error))
                 self.without_cache = True
                 forget_compile_cache()
-                return self(*args, **kwargs)
+                out = self(*args, **kwargs)
+                if self.compiled is not self.eager:
+                    self.console(damaged_cache(cache, error))
+                return out
             if self.strict:
                 raise
             self.console(f"the training step did not compile ({type(error).__name__}: "

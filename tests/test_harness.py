@@ -513,6 +513,35 @@ def test_a_compile_cache_folder_that_cannot_be_made_is_refused_by_name_before_an
     assert "unset it" in proc.stderr
 
 
+def test_a_compile_error_naming_the_cache_is_tried_once_more_without_it(monkeypatch, tmp_path):
+    """An error that names the compile cache's folder is tried once more without the cache: where that compiles, the
+    console names the folder as holding a damaged file (--compile on too); where it fails again, the cache was not
+    the cause, so nothing is said of it and the usual rule holds (auto: eager, said; on: raised)."""
+    from ppo_harness import speed
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(speed, "forget_compile_cache", lambda: None)  # the real one: test_compile's damaged cache
+
+    def always(x):
+        raise RuntimeError(f"C++ compile error in {tmp_path}/k.cpp")
+    said = []
+    assert speed.CompiledOrEager(always, lambda x: x + 1, strict=False, console=said.append)(1) == 2
+    assert len(said) == 1 and "the training step did not compile" in said[0] and "holds a file" not in said[0]
+    with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
+        speed.CompiledOrEager(always, lambda x: x + 1, strict=True, console=said.append)(1)
+    calls = []
+
+    def damaged_once(x):
+        calls.append(x)
+        if len(calls) == 1:
+            raise RuntimeError(f"Failed to import {tmp_path}/k.py\nUnicodeDecodeError: ...")
+        return 10 * x
+    said = []
+    step = speed.CompiledOrEager(damaged_once, lambda x: x + 1, strict=True, console=said.append)
+    assert step(1) == 10 and step(2) == 20 and calls == [1, 1, 2]
+    assert said == [speed.damaged_cache(str(tmp_path), RuntimeError(f"Failed to import {tmp_path}/k.py"))]
+
+
 def test_compile_auto_compiles_one_cuda_process_in_a_long_enough_run_and_deepspeed_never(monkeypatch):
     """--compile auto: on for one CUDA process without DeepSpeed in a run of at least 40 updates; off on the CPU, for
     several processes, under DeepSpeed or in a short run. --compile on under DeepSpeed or on several processes is
