@@ -256,8 +256,8 @@ class Args:
     """ZeRO-3: gather the policy's weights once per rollout to sample (required here: the turns of
     different processes differ in number, so they cannot sample from the shards in step)"""
     fast_paths: bool = True
-    """the hand-written paths of the README's ledger, each where its start-up check passes: the frozen trunk run
-    once per update, the LM head over vocabulary blocks in training (off: the page's forwards alone)"""
+    """the hand-written path of the README's ledger where its start-up check passes: the frozen trunk
+    run once per update (off: the page's full forwards alone)"""
 
 
 # ---- The PPO math: small pure functions (tests/test_multiturn.py and test_math.py check each against a float64 loop)
