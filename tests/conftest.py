@@ -132,19 +132,26 @@ def resumed_after_update_1(args: list[str], full: Path, resumed: Path, script: s
     """A 3-update run in `full`, then its folder as a run killed after update 1 would have left it (later checkpoints
     and log rows gone) resumed from checkpoint 1 in `resumed`: (the uninterrupted rows, the resumed process, its
     rows)."""
-    import json
-    import shutil
-
     _, uninterrupted = run_ppo(args, full, script=script)
-    shutil.copytree(full, resumed)
-    for name in ("update-000002", "update-000003"):
-        shutil.rmtree(resumed / "checkpoints" / name)
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (resumed / log).read_text().splitlines()
-        (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 1))
+    copy_cut_after(full, resumed, 1)
     proc, rows = run_ppo(args + ["--resume", str(resumed / "checkpoints" / "update-000001"),
                                  "--output-dir", str(resumed)], resumed, script=script)
     return uninterrupted, proc, rows
+
+
+def copy_cut_after(full: Path, copy: Path, update: int) -> None:
+    """`full`, a finished run's folder, copied to `copy` as a run killed after `update` would have left it: the later
+    checkpoints and log rows gone."""
+    import json
+    import shutil
+
+    shutil.copytree(full, copy)
+    for checkpoint in (copy / "checkpoints").glob("update-*"):
+        if int(checkpoint.name.split("-")[1]) > update:
+            shutil.rmtree(checkpoint)
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        lines = (copy / log).read_text().splitlines()
+        (copy / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= update))
 
 
 def run_ppo(args: list[str], output_dir: Path, script: str = "ppo.py", check: bool = True, timeout: int = 300):

@@ -264,19 +264,13 @@ def test_a_resume_that_shortens_the_warm_up_drops_the_policys_adam_state(assets,
     trained update (3) starts the policy's AdamW afresh, as the end of a warm-up does (its zero-gradient steps
     dropped): 4 steps in checkpoint 3, not 12. The group records whether the policy trained (in the checkpoint); the
     reset used to fire only at update warm-up + 1 (2 here), which the resumed run never runs."""
-    import json
-    import shutil
+    from conftest import copy_cut_after
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     args = args_for(assets, *EXACT, "--total-episodes", "64", "--save-every", "1")
     run_ppo(args + ["--value-warmup-updates", "3"], full)
     assert adam_steps(full, 4) == {"policy": {4.0}, "value": {16.0}}  # reset when the warm-up ended
-    shutil.copytree(full, resumed)
-    for update in (3, 4):
-        shutil.rmtree(resumed / "checkpoints" / f"update-{update:06d}")
-    for log in ("metrics.jsonl", "samples.jsonl"):
-        lines = (resumed / log).read_text().splitlines()
-        (resumed / log).write_text("".join(line + "\n" for line in lines if json.loads(line)["update"] <= 2))
+    copy_cut_after(full, resumed, 2)
     run_ppo(args + ["--value-warmup-updates", "1", "--resume", "auto", "--resume-with-changes",
                     "value-warmup-updates"], resumed)
     assert adam_steps(resumed, 3) == {"policy": {4.0}, "value": {12.0}}
