@@ -214,15 +214,10 @@ def test_the_value_losss_gradient_does_not_grow_with_the_micro_batch_count(aggre
 
     mask = torch.zeros(n, t, dtype=torch.bool)
     mask[:, 4:] = True  # every response 4 tokens: the score one past the last lands on the 5th
-    zeros = torch.zeros(n, t, dtype=torch.float64)
-    r = ppo.Rollout(
-        query_responses=torch.cat([torch.arange(n)[:, None], torch.zeros(n, t, dtype=torch.long)], 1),
-        response_ids=torch.zeros(n, t, dtype=torch.long), trunks={}, responses=torch.zeros(n, t, dtype=torch.long),
-        sequence_lengths=torch.full((n,), 3), padding_mask=mask, padding_mask_p1=torch.zeros_like(mask),
-        logprobs=zeros, ref_logprobs=zeros, values=torch.randn(n, t, dtype=torch.float64), kl=zeros,
-        non_score_reward=zeros, rewards=zeros, advantages=zeros, returns=torch.randn(n, t, dtype=torch.float64),
-        scores=zeros[:, 0], trained_scores=zeros[:, 0], contain_eos_token=None, score_components={},
-        dropped=torch.zeros(n, dtype=torch.bool), positive=torch.zeros_like(mask))
+    from value_gradient import rollout  # the 2-process test's rollout of the same shape
+
+    values, returns = torch.randn(n, t, dtype=torch.float64), torch.randn(n, t, dtype=torch.float64)
+    r = rollout(torch.arange(n), values, returns, mask)
     args = ppo.Args(loss_aggregation=aggregation, cliprange_value=0.2)
 
     def gradient(pieces):
