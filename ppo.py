@@ -25,6 +25,7 @@ from datasets import Dataset
 # TORCHINDUCTOR_CACHE_DIR that cannot be made, by name (not a traceback from inside that import)
 import ppo_harness  # noqa: F401
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -393,12 +394,6 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, width: int | None = 
     return torch.tensor(rows, dtype=torch.long)
 
 
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
 # ALGO LOGIC: a truncation of the distribution (top-k, top-p) goes here, where sampling's and every
 # training forward's logits pass, so that the log-probs stored while sampling are the distribution
 # sampled from and training scores the same one: on-policy (truncated in `sample_next` alone, the
@@ -410,14 +405,6 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
     return logits
-
-
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in
-    float64."""
-    cdf = probs.double().cumsum(-1)
-    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -440,36 +427,24 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The unbiased variance of the unmasked entries (TRL's)."""
-    n = mask.sum()
-    if n < 2:
-        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, "
-                         f"got {int(n)}")
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
-
-
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
                   shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds
-    the mean back."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    """(x - mean) / std over the unmasked entries, the variance unbiased (TRL's); shift_mean=False
+    adds the mean back. Under two unmasked entries there is no spread to divide by: a lone one is
+    centred (its mean, 0 before the mean is added back); masked entries mean nothing."""
+    n = mask.sum()
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
 
-def padding_masks(sequence_lengths: torch.Tensor,
-                  response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+
-    detail 25)."""
-    idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
-    return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
-
-
 # ALGO LOGIC: another per-token KL estimator: a branch here, its name among --kl-estimator's choices
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+               exact: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) from the sampled token's log-probs
-    (http://joschu.net/blog/kl-approx.html)."""
+    (http://joschu.net/blog/kl-approx.html), or `exact`, the whole distributions' (`full_kl`),
+    under `full`."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -479,15 +454,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         return torch.expm1(logr) - logr
     if estimator == "abs":
         return logr.abs()
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
-
-
-def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
-             estimator: str) -> torch.Tensor:
-    """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or
-    `kl_penalty`'s estimate."""
-    kl = full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)
-    return kl.masked_fill(padding_mask, 0)
+    if estimator == "full" and exact is not None:
+        return exact
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3, abs or full (which "
+                     "needs `exact`)")
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -525,20 +495,15 @@ class RunningMoments:
         return math.sqrt(self.var * self.count / max(self.count - 1.0, 1e-24))
 
 
-def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """One past the last real token, or on it if the response fills every position (TRL/SFD
-    `actual_end`)."""
-    after_last = sequence_lengths + 1
-    return torch.where(after_last < response_length, after_last, sequence_lengths)
-
-
 # ALGO LOGIC: how the score and the KL penalty make the per-token rewards (a shaping term: phase 4)
 def compute_rewards(scores, kl, kl_coef, sequence_lengths):
-    """Per-token rewards: -kl_coef * kl everywhere, plus the score at `score_positions`."""
+    """Per-token rewards: -kl_coef * kl everywhere, plus the score one past the last real token,
+    or on it if the response fills every position (TRL's and SFD's `actual_end`)."""
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
     rows = torch.arange(rewards.size(0), device=rewards.device)
-    rewards[rows, score_positions(sequence_lengths, rewards.size(1))] += scores
+    after_last = sequence_lengths + 1
+    rewards[rows, torch.where(after_last < rewards.size(1), after_last, sequence_lengths)] += scores
     return rewards, non_score_reward
 
 
@@ -547,14 +512,6 @@ def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torc
     for GAE)."""
     whitened = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
     return whitened.masked_fill(padding_mask_p1, 0)
-
-
-def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token
-    is centred, to 0."""
-    if int((~padding_mask).sum()) < 2:
-        return torch.zeros_like(advantages)
-    return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
@@ -726,8 +683,7 @@ def main(args: Args) -> None:
 
             # 2. Scoring forwards: reference log-probs and values (none without a critic). The
             # frozen bottom blocks' output (--num-trainable-layers) feeds every later forward
-            trunks = frozen_trunks(models, query_responses, pad_token_id, args,
-                                   trunk=kept_trunk(query_responses.size(1)))
+            trunks = frozen_trunks(models, query_responses, pad_token_id, args, kept_trunk(query_responses.size(1)))
             ref_logprobs, values, full_kl_per_token = reference_and_values(
                 models, query_responses, response_ids, queries.size(1), args, pad_token_id, trunks,
                 with_values=args.advantage_estimator == "gae")
@@ -740,15 +696,15 @@ def main(args: Args) -> None:
             if args.missing_eos_penalty is not None:
                 scores = scores - args.missing_eos_penalty * (~contain_eos_token).float()
 
-            # 4. KL-penalised per-token rewards (careful with padding_mask_p1: N+ detail 25)
-            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
-            # a row no reward judged leaves the loss and the statistics, as in TRL
-            unjudged = score_components.unjudged[:, None]
-            padding_mask, padding_mask_p1 = padding_mask | unjudged, padding_mask_p1 | unjudged
+            # 4. KL-penalised per-token rewards. padding_mask_p1 keeps one more position, where the score
+            # lands (N+ detail 25); a row no reward judged leaves the loss and the statistics, as in TRL
+            past_last = torch.arange(responses.size(1), device=device)[None] - sequence_lengths[:, None]
+            padding_mask = (past_last > 0) | score_components.unjudged[:, None]
+            padding_mask_p1 = (past_last > 1) | score_components.unjudged[:, None]
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
-            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
+            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator, full_kl_per_token).masked_fill(padding_mask, 0)
             # scaled here (score scaling, --score-clip): a later change to `scores` is only logged
             trained_scores = scale_scores(scores, score_moments, args, accelerator)
             rewards, non_score_reward = compute_rewards(trained_scores, kl, kl_coef, sequence_lengths)
@@ -771,7 +727,7 @@ def main(args: Args) -> None:
                        else torch.zeros_like(judged))
             excluded = padding_mask | dropped[:, None]  # out of phase 6's loss and the whitening
             if args.advantage_estimator == "gae":  # ALGO LOGIC: another advantage estimator here
-                advantages = whiten_advantages(advantages, excluded)
+                advantages = masked_whiten(advantages, ~excluded).masked_fill(excluded, 0)  # N+ detail 27
             else:  # critic-free: rloo on the summed rewards (KL in them: RLOOTrainer); grpo on the
                 # score alone, its KL a loss term (DeepSeekMath 4.1.2; the std would scale KL noise)
                 outcome = trained_scores if args.advantage_estimator == "grpo" else rewards.sum(1)
@@ -804,8 +760,9 @@ def main(args: Args) -> None:
             if stop_early and not critic_only:
                 continue
             b_inds = torch.from_numpy(np.random.permutation(sizes.local_batch_size)).to(device)
-            # the token-level loss's denominators (DAPO 3.3), over all processes
-            denominators = loss_denominators(accelerator, args, rollout, b_inds)
+            # --loss-aggregation token or sequence: its denominators (DAPO 3.3), over all processes
+            denominators = (None if args.loss_aggregation == "micro-batch"
+                            else loss_denominators(accelerator, args, rollout, b_inds))
             for minibatch_idx, mini_batch_inds in enumerate(b_inds.split(sizes.local_mini_batch_size)):
                 micro_batches = mini_batch_inds.split(args.per_device_train_batch_size)
                 if args.ratio_threshold is not None and not critic_only and ratio_guard_skips(
@@ -913,8 +870,11 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     with gathered:
         generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    # every chunk's rows, right-padded to the longest response
+    responses = pad_sequence([row for r, _ in generated for row in r], batch_first=True,
+                             padding_value=pad_token_id)
+    logprobs = pad_sequence([row for _, lp in generated for row in lp], batch_first=True,
+                            padding_value=INVALID_LOGPROB)
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
     return responses, logprobs
@@ -948,8 +908,10 @@ def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, 
     done, on all if synced)"""
     # the distribution sampled is `scale_logits`', the one training scores (a truncation goes there)
     logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    # inverse-CDF sampling, in float64: one uniform a row (torch.multinomial draws one per word)
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(-1)
+    u = torch.rand(logits.size(0), device=logits.device, generator=generator).double() * cdf[:, -1]
+    token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).clamp_(max=logits.size(-1) - 1)
     if stop_token_id is not None:
         finished = finished | (token.squeeze(-1) == stop_token_id)
     done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
@@ -979,7 +941,8 @@ def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: i
         elif name == "policy" and trunk is not None:
             trunks[name] = trunk
         else:
-            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
+            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n,
+                                                    model_inputs)
                                        for i in range(0, query_responses.size(0), chunk)]), n)
     return trunks
 
@@ -1011,53 +974,43 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
             values.append(value_forward(policy, qr, pad_token_id, context_length, value_head,
                                         trunk=trunk.get("policy")))
         elif with_values:
-            values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
+            values.append(value_forward(value_model, qr, pad_token_id, context_length,
+                                        trunk=trunk.get("value")))
     ref_logprobs = torch.cat(ref_logprobs)
     # without a critic (grpo, rloo; evaluate) no value forward runs: values 0
     values = torch.cat(values) if with_values else torch.zeros_like(ref_logprobs)
     return ref_logprobs, values, torch.cat(full_kls) if full_kls else None
 
 
-def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int, trunk=None) -> dict:
+    """A forward's inputs (SFD's `forward`): [PAD] masked out, each row's positions counted from its
+    first real token; with `trunk` (the frozen blocks' output, their number), that output in place
+    of the token ids, for the blocks above it (`blocks_only`)."""
     attention_mask = query_responses != pad_token_id
-    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
-                attention_mask=attention_mask.long(),
-                position_ids=attention_mask.cumsum(1) - attention_mask.long())
-
-
-def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
-    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
-    blocks above the n frozen ones alone, from their output (ppo_harness/forwards.py's `blocks_only`)."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
+    inputs = dict(attention_mask=attention_mask.long(),
+                  position_ids=attention_mask.cumsum(1) - attention_mask.long())
+    if trunk is not None:
+        return dict(inputs_embeds=trunk[0], **inputs)
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), **inputs)
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
     """(logits that predict each response token: positions context_length-1 .. -2, the final
-    hidden states or None). The LM head runs only there."""
+    hidden states or None). The LM head runs only there. With `trunk`, only the blocks above the
+    frozen ones run (ppo_harness/forwards.py's `blocks_only`), from their output."""
     response_length = query_responses.size(1) - context_length
-    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
-    with blocks:
-        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
+    with nullcontext() if trunk is None else blocks_only(policy, trunk[1]):
+        out = policy(**model_inputs(query_responses, pad_token_id, trunk),
+                     logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
     return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
-
-
-def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied
-    by callers)."""
-    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
                       with_entropy=False, trunk=None, with_hidden=False):
     """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under
     the sampling distribution."""
-    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
+    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk,
+                                   with_hidden)
     logits = scale_logits(logits, temperature, pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab)
     # tensor is kept
@@ -1066,11 +1019,16 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     return logprobs_from_logits(logits, response_ids), entropy, hidden
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None,
+                  trunk=None):
     """values[:, t], read at the hidden state before response token t by `head`
-    (--shared-value-head) or the value model's `score`; `hidden`: final hidden states given."""
+    (--shared-value-head) or the value model's `score`; `hidden`: final hidden states given,
+    else the backbone's alone (`get_decoder`, through a peft wrapper too), from `trunk` as the
+    policy's."""
     if hidden is None:
-        hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
+        with nullcontext() if trunk is None else blocks_only(value_model, trunk[1]):
+            hidden = value_model.get_decoder()(**model_inputs(query_responses, pad_token_id, trunk),
+                                               use_cache=False).last_hidden_state
     head = value_model.score if head is None else head
     return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
@@ -1109,7 +1067,9 @@ def score_responses(rewards: Rewards, queries: torch.Tensor, responses: torch.Te
 def reward_model_scores(reward_model, query_responses, pad_token_id, context_length):
     """The reward model's score at the response's last non-pad token (the last query token if it
     is empty)."""
-    hidden = final_hidden_states(reward_model, query_responses, pad_token_id)
+    inputs = model_inputs(query_responses, pad_token_id)
+    # the backbone alone: `score` is read at one position
+    hidden = reward_model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     rows = torch.arange(hidden.size(0), device=hidden.device)
     return reward_model.score(hidden[rows, last]).squeeze(-1).float()
@@ -1160,12 +1120,11 @@ class Rollout(NamedTuple):
 
 def loss_denominators(accelerator: Accelerator, args: Args, r: Rollout, b_inds: torch.Tensor):
     """--loss-aggregation token or sequence (DAPO 3.3): each minibatch's trained and positive tokens
-    (or sequences), summed over all processes, as each micro-batch's share (None: micro-batch)."""
-    if args.loss_aggregation == "micro-batch":
-        return None
+    (or sequences), summed over all processes, as each micro-batch's share."""
     rows = b_inds.view(args.num_mini_batches, -1)
     trained = ~(r.padding_mask | r.dropped[:, None])
-    counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation) for mask in (trained, r.positive)], 1)
+    counts = torch.stack([minibatch_counts(mask, rows, args.loss_aggregation)
+                          for mask in (trained, r.positive)], 1)
     share = args.gradient_accumulation_steps * accelerator.num_processes
     return accelerator.reduce(counts, "sum").clamp(min=1) / share
 
@@ -1194,7 +1153,8 @@ def ppo_loss(model, rows, r: "Rollout", args: Args, pad_token_id: int, train_pol
     """Phase 6 on some rows of the rollout: the training forward, the losses, their sum (loss,
     stats). Compiled whole on CUDA (--compile): nothing here may read a tensor on the host."""
     # the frozen blocks' output, for the two trained models
-    trunks = {name: (r.trunks[name][0][rows], r.trunks[name][1]) for name in ("policy", "value") if name in r.trunks}
+    trunks = {name: (r.trunks[name][0][rows], r.trunks[name][1]) for name in ("policy", "value")
+              if name in r.trunks}
     context_length = r.query_responses.size(1) - r.responses.size(1)
     new_logprobs, entropy, vpred = model(r.query_responses[rows], pad_token_id, context_length,
                                          r.response_ids[rows], args.temperature, trunks)
@@ -1349,8 +1309,11 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
         ref_logprobs, _, full_kl_per_token = reference_and_values(
             models, query_responses, responses.masked_fill(responses == pad_token_id, 0), eval_queries.size(1), args,
             pad_token_id, trunks, with_values=False)
-        padding_mask = padding_masks(first_true_indices(responses == pad_token_id) - 1, responses.size(1))[0]
-        kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator).sum(1)
+        sequence_lengths = first_true_indices(responses == pad_token_id) - 1
+        padding_mask = (torch.arange(responses.size(1), device=responses.device)[None]
+                        > sequence_lengths[:, None])
+        kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator, full_kl_per_token)
+        kl = kl.masked_fill(padding_mask, 0).sum(1)
     queries = tokenizer.batch_decode(eval_queries, skip_special_tokens=True)
     texts = [tokenizer.decode(r[r != pad_token_id]) for r in responses]
     rows = sample_rows(held_out[args.dataset_prompt_column], texts, scores, components)

@@ -339,14 +339,6 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
     return logits
 
 
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in
-    float64."""
-    cdf = probs.double().cumsum(-1)
-    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
-
-
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materialising the (batch, seq, vocab) log-softmax."""
     picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -367,28 +359,24 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The unbiased variance of the unmasked entries (TRL's)."""
-    n = mask.sum()
-    if n < 2:
-        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, "
-                         f"got {int(n)}")
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
-
-
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
                   shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds
-    the mean back."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    """(x - mean) / std over the unmasked entries, the variance unbiased (TRL's); shift_mean=False
+    adds the mean back. Under two unmasked entries there is no spread to divide by: a lone one is
+    centred (its mean, 0 before the mean is added back); masked entries mean nothing."""
+    n = mask.sum()
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
 
 # ALGO LOGIC: another per-token KL estimator: a branch here, its name among --kl-estimator's choices
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+               exact: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) from the sampled token's log-probs
-    (http://joschu.net/blog/kl-approx.html)."""
+    (http://joschu.net/blog/kl-approx.html), or `exact`, the whole distributions' (`full_kl`),
+    under `full`."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -398,15 +386,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         return torch.expm1(logr) - logr
     if estimator == "abs":
         return logr.abs()
-    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3 or abs (full needs the logits)")
-
-
-def token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask,
-             estimator: str) -> torch.Tensor:
-    """The per-token KL of `--kl-estimator`, 0 at padding: the exact KL (`full`) or
-    `kl_penalty`'s estimate."""
-    kl = full_kl_per_token if estimator == "full" else kl_penalty(logprobs, ref_logprobs, estimator)
-    return kl.masked_fill(padding_mask, 0)
+    if estimator == "full" and exact is not None:
+        return exact
+    raise ValueError(f"unknown kl_estimator {estimator!r}: choose k1, k2, k3, abs or full (which "
+                     "needs `exact`)")
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -430,14 +413,6 @@ def compute_rewards(turn_scores: torch.Tensor, kl: torch.Tensor, kl_coef: float)
     turn-level rewards; an outcome reward is the last turn's)."""
     non_score_reward = -kl_coef * kl
     return non_score_reward + turn_scores, non_score_reward
-
-
-def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token
-    is centred, to 0."""
-    if int((~padding_mask).sum()) < 2:
-        return torch.zeros_like(advantages)
-    return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
 
 # ALGO LOGIC: the credit assignment over turns
@@ -586,7 +561,8 @@ def main(args: Args) -> None:
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask, 0)
-            kl = token_kl(logprobs, ref_logprobs, full_kl_per_token, padding_mask, args.kl_estimator)
+            kl = kl_penalty(logprobs, ref_logprobs, args.kl_estimator, full_kl_per_token)
+            kl = kl.masked_fill(padding_mask, 0)  # the exact KL is not 0 there
             rewards, non_score_reward = compute_rewards(turn_scores, kl, kl_coef)
             # ALGO LOGIC: a per-token reward term is added to `rewards` here (objective/rlhf_reward)
 
@@ -595,7 +571,8 @@ def main(args: Args) -> None:
             # ALGO LOGIC: VC-PPO's decoupled GAE: the critic's targets at their own lambda
             if args.lam_critic is not None:
                 returns = skip_observation_gae(rewards, values, action_mask, args.gamma, args.lam_critic)[1]
-            advantages = whiten_advantages(advantages, padding_mask)  # ALGO LOGIC: another estimator here
+            # whitened over the actions, 0 elsewhere (N+ detail 27); ALGO LOGIC: another estimator here
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
             time_gae = time.perf_counter() - timer - time_generation - time_scoring
             # the rollout phase 6 trains on and phase 7 reads
             rollout = Rollout(
@@ -876,8 +853,10 @@ def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, 
     done, on all if synced)"""
     # the distribution sampled is `scale_logits`', the one training scores (a truncation goes there)
     logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    # inverse-CDF sampling, in float64: one uniform a row (torch.multinomial draws one per word)
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(-1)
+    u = torch.rand(logits.size(0), device=logits.device, generator=generator).double() * cdf[:, -1]
+    token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).clamp_(max=logits.size(-1) - 1)
     if stop_token_id is not None:
         finished = finished | (token.squeeze(-1) == stop_token_id)
     done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
@@ -907,7 +886,8 @@ def frozen_trunks(models: Models, query_responses: torch.Tensor, pad_token_id: i
         elif name == "policy" and trunk is not None:
             trunks[name] = trunk
         else:
-            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n, model_inputs)
+            trunks[name] = (torch.cat([frozen_trunk(m, query_responses[i:i + chunk], pad_token_id, n,
+                                                    model_inputs)
                                        for i in range(0, query_responses.size(0), chunk)]), n)
     return trunks
 
@@ -939,53 +919,43 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
             values.append(value_forward(policy, qr, pad_token_id, context_length, value_head,
                                         trunk=trunk.get("policy")))
         elif with_values:
-            values.append(value_forward(value_model, qr, pad_token_id, context_length, trunk=trunk.get("value")))
+            values.append(value_forward(value_model, qr, pad_token_id, context_length,
+                                        trunk=trunk.get("value")))
     ref_logprobs = torch.cat(ref_logprobs)
     # without a critic (grpo, rloo; evaluate) no value forward runs: values 0
     values = torch.cat(values) if with_values else torch.zeros_like(ref_logprobs)
     return ref_logprobs, values, torch.cat(full_kls) if full_kls else None
 
 
-def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int, trunk=None) -> dict:
+    """A forward's inputs (SFD's `forward`): [PAD] masked out, each row's positions counted from its
+    first real token; with `trunk` (the frozen blocks' output, their number), that output in place
+    of the token ids, for the blocks above it (`blocks_only`)."""
     attention_mask = query_responses != pad_token_id
-    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
-                attention_mask=attention_mask.long(),
-                position_ids=attention_mask.cumsum(1) - attention_mask.long())
-
-
-def trunk_inputs(model, query_responses: torch.Tensor, pad_token_id: int, trunk=None):
-    """A forward's inputs and a context: the whole model, or (trunk = (hidden states, n)) the
-    blocks above the n frozen ones alone, from their output (ppo_harness/forwards.py's `blocks_only`)."""
-    inputs = model_inputs(query_responses, pad_token_id)
-    if trunk is None:
-        return inputs, nullcontext()
-    del inputs["input_ids"]
-    return {**inputs, "inputs_embeds": trunk[0]}, blocks_only(model, trunk[1])
+    inputs = dict(attention_mask=attention_mask.long(),
+                  position_ids=attention_mask.cumsum(1) - attention_mask.long())
+    if trunk is not None:
+        return dict(inputs_embeds=trunk[0], **inputs)
+    return dict(input_ids=query_responses.masked_fill(~attention_mask, 0), **inputs)
 
 
 def policy_logits(policy, query_responses, pad_token_id, context_length, trunk=None, with_hidden=False):
     """(logits that predict each response token: positions context_length-1 .. -2, the final
-    hidden states or None). The LM head runs only there."""
+    hidden states or None). The LM head runs only there. With `trunk`, only the blocks above the
+    frozen ones run (ppo_harness/forwards.py's `blocks_only`), from their output."""
     response_length = query_responses.size(1) - context_length
-    inputs, blocks = trunk_inputs(policy, query_responses, pad_token_id, trunk)
-    with blocks:
-        out = policy(**inputs, logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
+    with nullcontext() if trunk is None else blocks_only(policy, trunk[1]):
+        out = policy(**model_inputs(query_responses, pad_token_id, trunk),
+                     logits_to_keep=response_length + 1, output_hidden_states=with_hidden, use_cache=False)
     return out.logits[:, :-1], out.hidden_states[-1] if with_hidden else None
-
-
-def final_hidden_states(model, query_responses, pad_token_id, trunk=None):
-    """Final hidden states of a model's backbone (a sequence classifier's `score` head is applied
-    by callers)."""
-    inputs, blocks = trunk_inputs(model, query_responses, pad_token_id, trunk)
-    with blocks:
-        return unpeft(model).base_model(**inputs, use_cache=False).last_hidden_state
 
 
 def response_logprobs(policy, query_responses, pad_token_id, context_length, response_ids, temperature,
                       with_entropy=False, trunk=None, with_hidden=False):
     """(log-probs of `response_ids`, entropies or empty, the final hidden states or None) under
     the sampling distribution."""
-    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk, with_hidden)
+    logits, hidden = policy_logits(policy, query_responses, pad_token_id, context_length, trunk,
+                                   with_hidden)
     logits = scale_logits(logits, temperature, pad_token_id)
     # recomputed in the backward, only if a loss term uses it: no second (batch, length, vocab)
     # tensor is kept
@@ -994,11 +964,16 @@ def response_logprobs(policy, query_responses, pad_token_id, context_length, res
     return logprobs_from_logits(logits, response_ids), entropy, hidden
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None, trunk=None):
+def value_forward(value_model, query_responses, pad_token_id, context_length, head=None, hidden=None,
+                  trunk=None):
     """values[:, t], read at the hidden state before response token t by `head`
-    (--shared-value-head) or the value model's `score`; `hidden`: final hidden states given."""
+    (--shared-value-head) or the value model's `score`; `hidden`: final hidden states given,
+    else the backbone's alone (`get_decoder`, through a peft wrapper too), from `trunk` as the
+    policy's."""
     if hidden is None:
-        hidden = final_hidden_states(value_model, query_responses, pad_token_id, trunk)
+        with nullcontext() if trunk is None else blocks_only(value_model, trunk[1]):
+            hidden = value_model.get_decoder()(**model_inputs(query_responses, pad_token_id, trunk),
+                                               use_cache=False).last_hidden_state
     head = value_model.score if head is None else head
     return head(hidden[:, context_length - 1 : -1]).squeeze(-1).float()
 
@@ -1165,9 +1140,9 @@ def evaluate(accelerator: Accelerator, models: Models, args: Args, setup: Setup,
             ref_logprobs, _, full_kl_per_token = reference_and_values(
                 models, query_responses, responses.masked_fill(responses == pad_token_id, 0), queries.size(1), args,
                 pad_token_id, trunks, with_values=False)
-            kl = token_kl(episodes.logprobs.to(device).masked_fill(padding_mask, INVALID_LOGPROB),
-                          ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB), full_kl_per_token, padding_mask,
-                          args.kl_estimator).sum(1)
+            kl = kl_penalty(episodes.logprobs.to(device).masked_fill(padding_mask, INVALID_LOGPROB),
+                            ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB), args.kl_estimator,
+                            full_kl_per_token).masked_fill(padding_mask, 0).sum(1)
     finally:
         random.setstate(streams[0])
         np.random.set_state(streams[1])

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import tyro
 from accelerate import Accelerator
 from datasets import Dataset
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -270,12 +271,6 @@ def left_pad(sequences: list[list[int]], pad_token_id: int, width: int | None = 
     return torch.tensor(rows, dtype=torch.long)
 
 
-def pad_right(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Concatenate (rows, length_i) tensors along rows, right-padding each to the longest length."""
-    width = max(t.size(1) for t in tensors)
-    return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors], dim=0)
-
-
 # ALGO LOGIC: a truncation of the distribution (top-k, top-p) goes here, where sampling's and every
 # training forward's logits pass, so that the log-probs stored while sampling are the distribution
 # sampled from and training scores the same one: on-policy (truncated in `sample_next` alone, the
@@ -287,14 +282,6 @@ def scale_logits(logits: torch.Tensor, temperature: float, pad_token_id: int) ->
     if pad_token_id < logits.size(-1):
         logits[..., pad_token_id] = torch.finfo(logits.dtype).min
     return logits
-
-
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row, one uniform each (torch.multinomial draws one per vocabulary entry), in
-    float64."""
-    cdf = probs.double().cumsum(-1)
-    u = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -317,30 +304,16 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The unbiased variance of the unmasked entries (TRL's)."""
-    n = mask.sum()
-    if n < 2:
-        raise ValueError(f"masked_var needs at least 2 unmasked values for an unbiased variance, "
-                         f"got {int(n)}")
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * n / (n - 1)
-
-
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor,
                   shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the unmasked entries (TRL: unbiased variance); shift_mean=False adds
-    the mean back."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    """(x - mean) / std over the unmasked entries, the variance unbiased (TRL's); shift_mean=False
+    adds the mean back. Under two unmasked entries there is no spread to divide by: a lone one is
+    centred (its mean, 0 before the mean is added back); masked entries mean nothing."""
+    n = mask.sum()
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask) * n / (n - 1).clamp(min=1)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
-
-
-def padding_masks(sequence_lengths: torch.Tensor,
-                  response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(padding_mask, padding_mask_p1): _p1 keeps one more position, where the score lands (N+
-    detail 25)."""
-    idxs = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
-    return idxs > sequence_lengths.unsqueeze(1), idxs > (sequence_lengths + 1).unsqueeze(1)
 
 
 # ALGO LOGIC: another per-token KL estimator: a branch here, its name among --kl-estimator's choices
@@ -351,20 +324,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     return -logr if estimator == "k1" else torch.expm1(logr) - logr
 
 
-def score_positions(sequence_lengths: torch.Tensor, response_length: int) -> torch.Tensor:
-    """One past the last real token, or on it if the response fills every position (TRL/SFD
-    `actual_end`)."""
-    after_last = sequence_lengths + 1
-    return torch.where(after_last < response_length, after_last, sequence_lengths)
-
-
 # ALGO LOGIC: how the score and the KL penalty make the per-token rewards (a shaping term: phase 4)
 def compute_rewards(scores, kl, kl_coef, sequence_lengths):
-    """Per-token rewards: -kl_coef * kl everywhere, plus the score at `score_positions`."""
+    """Per-token rewards: -kl_coef * kl everywhere, plus the score one past the last real token,
+    or on it if the response fills every position (TRL's and SFD's `actual_end`)."""
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
     rows = torch.arange(rewards.size(0), device=rewards.device)
-    rewards[rows, score_positions(sequence_lengths, rewards.size(1))] += scores
+    after_last = sequence_lengths + 1
+    rewards[rows, torch.where(after_last < rewards.size(1), after_last, sequence_lengths)] += scores
     return rewards, non_score_reward
 
 
@@ -386,14 +354,6 @@ def whiten_rewards(rewards: torch.Tensor, padding_mask_p1: torch.Tensor) -> torc
     for GAE)."""
     whitened = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
     return whitened.masked_fill(padding_mask_p1, 0)
-
-
-def whiten_advantages(advantages: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-    """Whitened over this process's real tokens, 0 at padding (N+ detail 27); a lone real token
-    is centred, to 0."""
-    if int((~padding_mask).sum()) < 2:
-        return torch.zeros_like(advantages)
-    return masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float):
@@ -527,7 +487,10 @@ def main(args: Args) -> None:
                                             args.penalty_reward_value, args.missing_eos_penalty)
 
             # 4. KL-penalised per-token rewards (careful with padding_mask_p1: N+ detail 25)
-            padding_mask, padding_mask_p1 = padding_masks(sequence_lengths, responses.size(1))
+            # padding_mask_p1 keeps one more position, where the score lands (N+ detail 25)
+            positions = torch.arange(responses.size(1), device=responses.device)[None]
+            padding_mask = positions > sequence_lengths[:, None]
+            padding_mask_p1 = positions > sequence_lengths[:, None] + 1
             logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
             values = values.masked_fill(padding_mask_p1, 0)
@@ -542,7 +505,7 @@ def main(args: Args) -> None:
             if args.whiten_rewards:
                 gae_rewards = whiten_rewards(rewards, padding_mask_p1)
             advantages, returns = compute_gae(gae_rewards, values, args.gamma, args.lam)
-            advantages = whiten_advantages(advantages, padding_mask)
+            advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)  # N+ detail 27
             # the rollout as phase 6 trains on it and phase 7's metrics read it
             rollout = Rollout(
                 query_responses=query_responses, response_ids=response_ids, responses=responses,
@@ -624,8 +587,11 @@ def sample_responses(accelerator: Accelerator, model: nn.Module, queries: torch.
     with gathered:
         generated = [generate(policy, queries[i:i + chunk], pad_token_id, args, stop_token_id, generator, synced)
                      for i in range(0, queries.size(0), chunk)]
-    responses = pad_right([r for r, _ in generated], pad_token_id)
-    logprobs = pad_right([lp for _, lp in generated], INVALID_LOGPROB)
+    # every chunk's rows, right-padded to the longest response
+    responses = pad_sequence([row for r, _ in generated for row in r], batch_first=True,
+                             padding_value=pad_token_id)
+    logprobs = pad_sequence([row for _, lp in generated for row in lp], batch_first=True,
+                            padding_value=INVALID_LOGPROB)
     if stop_token_id is not None:
         responses = truncate_response(stop_token_id, pad_token_id, responses)
     return responses, logprobs
@@ -659,8 +625,10 @@ def sample_next(logits, args, pad_token_id, generator, finished, stop_token_id, 
     done, on all if synced)"""
     # the distribution sampled is `scale_logits`', the one training scores (a truncation goes there)
     logits = scale_logits(logits, args.temperature, pad_token_id)
-    uniforms = torch.rand(logits.size(0), device=logits.device, generator=generator)
-    token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
+    # inverse-CDF sampling, in float64: one uniform a row (torch.multinomial draws one per word)
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(-1)
+    u = torch.rand(logits.size(0), device=logits.device, generator=generator).double() * cdf[:, -1]
+    token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).clamp_(max=logits.size(-1) - 1)
     if stop_token_id is not None:
         finished = finished | (token.squeeze(-1) == stop_token_id)
     done = finished.all()  # a tensor: reading it waits for the GPU (read only where needed)
@@ -686,6 +654,8 @@ def reference_and_values(models: Models, query_responses: torch.Tensor, response
 
 
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    """A forward's inputs (SFD's `forward`): [PAD] masked out, each row's positions counted from its
+    first real token."""
     attention_mask = query_responses != pad_token_id
     return dict(input_ids=query_responses.masked_fill(~attention_mask, 0),
                 attention_mask=attention_mask.long(),
@@ -874,8 +844,8 @@ def reference_score(accelerator: Accelerator, reward_model: nn.Module, setup: Se
     processes."""
     pad_token_id = setup.tokenizer.pad_token_id
     queries = left_pad(setup.eval_rows["input_ids"], pad_token_id).to(accelerator.device)
-    references = pad_right([torch.tensor([ids]) for ids in setup.eval_rows["reference_ids"]], pad_token_id).to(
-        accelerator.device)
+    references = pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in setup.eval_rows["reference_ids"]],
+                              batch_first=True, padding_value=pad_token_id).to(accelerator.device)
     with torch.no_grad(), accelerator.autocast():
         scores = score_responses(reward_model, queries, references, pad_token_id, chunk)
     scores = gather_once(setup.eval_rows["index"], scores.tolist())

@@ -1,8 +1,7 @@
 """The README ledger's hand-written forwards, each checked once at start-up against the script's
 own forwards as they are (edited or not), and the parts of a transformers model they reach into (its
 blocks, the model inside a peft wrapper). This module imports no script: it calls the script's
-`left_pad`, `model_inputs`, `response_logprobs`, `final_hidden_states` and `value_forward` through
-`script`.
+`left_pad`, `model_inputs`, `response_logprobs` and `value_forward` through `script`.
 
 The frozen trunk (--num-trainable-layers N). A model that trains only its top N blocks gets no
 gradient in the blocks below, so their output cannot change within an update: the scripts run them
@@ -36,7 +35,7 @@ equal to the script's own forward as edited, else hands back the script's wrappe
 log-probs and every other forward stay the script's own.
 """
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -52,7 +51,7 @@ def unpeft(model: nn.Module) -> nn.Module:
 
 def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The attribute name and the list of transformer blocks of a transformers model's backbone."""
-    for name, child in unpeft(model).base_model.named_children():
+    for name, child in model.get_decoder().named_children():
         if isinstance(child, nn.ModuleList):
             return name, child
     raise ValueError(f"{type(model).__name__}: no list of transformer blocks found")
@@ -68,7 +67,7 @@ def blocks_only(model: nn.Module, start: int, stop: int | None = None):
     """Run the backbone through blocks[start:stop] alone; per-block config lists (layer_types...)
     are sliced too."""
     name, blocks = transformer_blocks(model)
-    backbone = unpeft(model).base_model
+    backbone = model.get_decoder()
     part = _SLICES.setdefault(blocks, {}).setdefault((start, stop), blocks[start:stop])
     per_block = {k: v for k, v in vars(backbone.config).items()
                  if isinstance(v, list) and len(v) == len(blocks)}
@@ -93,7 +92,7 @@ def frozen_trunk(model: nn.Module, query_responses, pad_token_id: int, num_froze
                                                     else output))
     try:
         with blocks_only(model, 0, num_frozen):
-            unpeft(model).base_model(**model_inputs(query_responses, pad_token_id), use_cache=False)
+            model.get_decoder()(**model_inputs(query_responses, pad_token_id), use_cache=False)
     finally:
         hook.remove()
     return outputs[0]
@@ -157,7 +156,7 @@ def adapter_free_trunk(model: nn.Module, num_frozen: int) -> bool:
     top = tuple(f"{name}.{i}." for i in range(num_frozen, len(blocks)))
     return not any(isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))
                    and not f"{n}.".startswith(top)
-                   for n, m in unpeft(model).base_model.named_modules())
+                   for n, m in model.get_decoder().named_modules())
 
 
 def trunk_is_exact(script, model, query_responses, pad_token_id: int, num_frozen: int,
@@ -405,7 +404,7 @@ def head_logprobs(hidden, weight, tokens, temperature, pad_token_id, with_entrop
 class FusedHeadForward(nn.Module):
     """The script's training forward, (log-probs, entropies, values) of the responses, with the
     log-probs and entropies from `head_logprobs`: the same `policy`, `value_model` and `value_head`
-    as the wrapper it stands in for, and the script's own `final_hidden_states` and `value_forward`
+    as the wrapper it stands in for, and the script's own `model_inputs` and `value_forward`
     (`script`: the script's module)."""
 
     def __init__(self, wrapper: nn.Module, script):
@@ -417,8 +416,10 @@ class FusedHeadForward(nn.Module):
 
     def forward(self, query_responses, pad_token_id, context_length, response_ids, temperature, trunks=None):
         script, trunks = self.script, trunks or {}
-        split = {"trunk": trunks["policy"]} if "policy" in trunks else {}
-        hidden = script.final_hidden_states(self.policy, query_responses, pad_token_id, **split)
+        trunk = trunks.get("policy")
+        with nullcontext() if trunk is None else blocks_only(self.policy, trunk[1]):
+            hidden = self.policy.get_decoder()(**script.model_inputs(query_responses, pad_token_id, trunk),
+                                               use_cache=False).last_hidden_state
         logprobs, entropy = head_logprobs(hidden[:, context_length - 1:-1],
                                           self.policy.get_output_embeddings().weight, response_ids,
                                           temperature, pad_token_id, with_entropy=True)

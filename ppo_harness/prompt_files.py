@@ -104,7 +104,7 @@ def check_prompt_rows(dataset: Dataset, source: str, column: str) -> None:
         raise ValueError(f"--dataset-prompt-column {column!r} is not in {source} (columns: "
                          f"{dataset.column_names})")
     clash = {"prompts", "completions", *TRAINER_KEYWORDS} & set(dataset.column_names) - {column}
-    if clash:  # every column is kept: reward functions get each as a keyword (`reward_fn_kwargs`)
+    if clash:  # every column is kept: reward functions get each as a keyword (`reward_components`)
         raise ValueError(f"{source}: column(s) {sorted(clash)} would collide with the keywords "
                          "reward functions are called with (prompts, completions, "
                          f"completion_ids, {', '.join(TRAINER_KEYWORDS)}): rename them")

@@ -67,28 +67,23 @@ class RewardLogs:
 
 
 class RewardComponents(dict):
-    """Each reward's scores by name (NaN: a function's None), what the functions logged
-    (`RewardLogs`), and the rows no reward judged (`unjudged`: every reward a function, each
-    returning None)."""
-
-    def __init__(self, scores: dict, logs: RewardLogs | None = None,
-                 unjudged: torch.Tensor | None = None):
-        super().__init__(scores)
-        self.columns, self.metrics = (logs.columns, logs.metrics) if logs else ({}, {})
-        self.unjudged = unjudged
+    """Each reward's scores by name (NaN: a function's None), as `reward_components` hands them back
+    with three attributes: `columns` and `metrics`, what the functions logged (`RewardLogs`), and
+    `unjudged`, the rows no reward judged (every reward a function, each returning None). The
+    readers of a plain dict of scores take it as nothing logged."""
 
 
 def reward_components(rewards, rows: dict, responses: torch.Tensor, global_step: int, scores: dict,
                       judged: list[bool] | None = None, taken=()) -> RewardComponents:
     """Every reward's scores of `responses` to `rows` by name: the reward models' `scores`, then
-    each function's (on the responses' device, NaN for a None), called with `reward_fn_kwargs` and
-    TRL's trainer keywords; what they log is kept, a column named apart from the rewards and from
-    `taken`. `rewards`: a script's record of them (`names`, reward models first; `fn_specs`, `fns`,
-    `model_paths`, `policy_tokenizer`, `prompt_column`, `chat`, `max_steps`, `updates_per_epoch`,
-    `stop_unjudged`). `judged`: the rows the functions see (a process's own held-out rows: not the
-    ones its share repeats so that every process samples as many, which another process's judge
-    sees), the others' scores NaN; None: a training batch, which stops the run where no process has
-    a row that some reward judged."""
+    each function's (on the responses' device, NaN for a None), called by `call_reward_fns` with
+    TRL's data keywords and its trainer keywords; what they log is kept, a column named apart from
+    the rewards and from `taken`. `rewards`: a script's record of them (`names`, reward models
+    first; `fn_specs`, `fns`, `model_paths`, `policy_tokenizer`, `prompt_column`, `chat`,
+    `max_steps`, `updates_per_epoch`, `stop_unjudged`). `judged`: the rows the functions see (a
+    process's own held-out rows: not the ones its share repeats so that every process samples as
+    many, which another process's judge sees), the others' scores NaN; None: a training batch,
+    which stops the run where no process has a row that some reward judged."""
     from accelerate import PartialState
     from accelerate.utils import reduce
     from transformers import TrainerState
@@ -101,6 +96,19 @@ def reward_components(rewards, rows: dict, responses: torch.Tensor, global_step:
         part = rows if whole else {k: [v[i] for i in seen] for k, v in rows.items()}
         mine = responses if whole else responses[seen]
         tokenizer, process = rewards.policy_tokenizer, PartialState()
+        # TRL's data keywords (GRPOTrainer, trl.rewards): `prompts` as the dataset gives them,
+        # `completions` decoded (for message-list prompts `[{"role": "assistant", "content": ...}]`,
+        # a continued assistant prefix included: README), `completion_ids` up to the stop token,
+        # and every other column, but neither a reference `completion` column (as TRL) nor
+        # `input_ids`, this script's tokenised prompt
+        prompts = part[rewards.prompt_column]
+        texts = tokenizer.batch_decode(mine, skip_special_tokens=True)
+        keywords = dict(prompts=prompts,
+                        completions=[[{"role": "assistant", "content": assistant_prefix(p) + t}]
+                                     if isinstance(p, list) else t for p, t in zip(prompts, texts)],
+                        completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in mine],
+                        **{k: v for k, v in part.items()
+                           if k not in (rewards.prompt_column, "input_ids", "completion", "completion_ids")})
         # TRL's trainer_state (transformers' TrainerState, as TRL passes its trainer's), but
         # `global_step` counts the updates done (TRL: optimizer steps): an update's rollout is
         # scored at update - 1, the evaluation after it at update; `epoch` counts the passes over
@@ -111,12 +119,10 @@ def reward_components(rewards, rows: dict, responses: torch.Tensor, global_step:
                              num_train_epochs=math.ceil(rewards.max_steps / per_epoch),
                              is_local_process_zero=process.is_local_main_process,
                              is_world_process_zero=process.is_main_process)
-        keywords = dict(reward_fn_kwargs(tokenizer, part, rewards.prompt_column, mine),
-                        trainer_state=state, log_extra=logs.log_extra, log_metric=logs.log_metric)
+        keywords.update(trainer_state=state, log_extra=logs.log_extra, log_metric=logs.log_metric)
         # OpenRLHF's texts, as OpenRLHF makes them
         if any(getattr(fn, "rendered", False) for fn in rewards.fns):
-            rendered = openrlhf_texts(tokenizer, part[rewards.prompt_column], part["input_ids"],
-                                      rewards.chat, mine)
+            rendered = openrlhf_texts(tokenizer, prompts, part["input_ids"], rewards.chat, mine)
         values = dict(zip(names, call_reward_fns([
             (fn, {**keywords, **(rendered if getattr(fn, "rendered", False) else {})}, spec)
             for spec, fn in zip(rewards.fn_specs, rewards.fns)], responses.device)))
@@ -143,34 +149,41 @@ def reward_components(rewards, rows: dict, responses: torch.Tensor, global_step:
                         "sum")
         if counts[0] == counts[1]:
             raise ValueError(no_row_judged(global_step + 1, int(counts[1]), names))
-    return RewardComponents(scores, logs, unjudged)
-
-
-def reward_fn_kwargs(tokenizer, rows: dict, prompt_column: str, responses: torch.Tensor) -> dict:
-    """A reward function's data keywords, in TRL's convention (GRPOTrainer, trl.rewards): `prompts`
-    as the dataset gives them, `completions` (decoded; for message-list prompts `[{"role":
-    "assistant", "content": ...}]`, a continued assistant prefix included: README), `completion_ids`
-    (up to the stop token) and every other column of the rows."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    prompts = rows[prompt_column]
-    completions = [[{"role": "assistant", "content": assistant_prefix(p) + t}]
-                   if isinstance(p, list) else t for p, t in zip(prompts, texts)]
-    # as TRL, neither the prompt nor a reference `completion` column; input_ids is this script's
-    # tokenised prompt
-    columns = {k: v for k, v in rows.items()
-               if k not in (prompt_column, "input_ids", "completion", "completion_ids")}
-    return dict(prompts=prompts, completions=completions,
-                completion_ids=[r[r != tokenizer.pad_token_id].tolist() for r in responses],
-                **columns)
+    components = RewardComponents(scores)
+    components.columns, components.metrics, components.unjudged = logs.columns, logs.metrics, unjudged
+    return components
 
 
 def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
-    """(fn, kwargs, name) calls in the order given, the async ones' coroutines then awaited
-    together; each checked to return, per completion, a finite number or None (the row is not
-    judged: NaN, see `score_responses`)."""
-    started = []
+    """(fn, keywords, name) calls in the order given, each with its keywords (the trainer's only
+    where its signature takes them) and a copy of the data's (TRL's own code pops prompts), the
+    async ones' coroutines then awaited together; each output checked to be, per completion, a
+    finite number or None (the row is not judged: NaN, see `score_responses`). Errors name the
+    function and the keywords it was called with."""
+    started = []  # (output or coroutine, the keywords it was called with, name)
     try:
-        started.extend((*start_reward_fn(fn, kwargs, name), name) for fn, kwargs, name in calls)
+        for fn, kwargs, name in calls:
+            try:
+                params = inspect.signature(fn).parameters
+                # a function that never took the trainer's keywords still runs
+                if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                    kwargs = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS or k in params}
+                inspect.signature(fn).bind(**kwargs)
+            except TypeError as e:
+                raise ValueError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
+                                 f"cannot take them ({e}). Reward functions take keywords, as TRL's "
+                                 "GRPOTrainer: def f(completions, **kwargs) -> list[float | None], a "
+                                 "dataset column arriving as the keyword of its name, e.g. def "
+                                 "accuracy(completions, solution, **kwargs)") from None
+            except ValueError:  # no signature to read (some builtins): the call itself will tell
+                pass
+            data = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS}
+            trainer = {k: kwargs[k] for k in TRAINER_KEYWORDS if k in kwargs}
+            try:
+                started.append((fn(**copy.deepcopy(data), **trainer), kwargs, name))
+            except Exception as e:
+                raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
+                                   f"raised {type(e).__name__}: {e}") from e
     except Exception:  # the async functions started before it will not be awaited
         for out in (out for out, _, _ in started if inspect.iscoroutine(out)):
             out.close()
@@ -182,64 +195,33 @@ def call_reward_fns(calls: list, device) -> list[torch.Tensor]:
             raise RuntimeError(f"--reward-fn {name}, called with the keywords "
                                f"{', '.join(kwargs)}, raised {type(out).__name__}: {out}") from out
         started[i] = (out, *started[i][1:])
-    return [checked_scores(out, kwargs, device, name) for out, kwargs, name in started]
-
-
-def start_reward_fn(fn: Callable, kwargs: dict, name: str) -> tuple:
-    """Call a reward function with `reward_fn_kwargs` (and TRL's trainer keywords, where its
-    signature takes them): (its output, or an async function's coroutine; the keywords, for
-    messages). Errors name the function."""
-    try:
-        params = inspect.signature(fn).parameters
-        # a function that never took them still runs
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS or k in params}
-        inspect.signature(fn).bind(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
-                         f"cannot take them ({e}). Reward functions take keywords, as TRL's "
-                         "GRPOTrainer: def f(completions, **kwargs) -> list[float | None], a "
-                         "dataset column arriving as the keyword of its name, e.g. def "
-                         "accuracy(completions, solution, **kwargs)") from None
-    except ValueError:  # no signature to read (some builtins): the call itself will tell
-        pass
-    data = {k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS}
-    try:  # a copy: a function may edit its inputs (TRL's own code pops prompts)
-        trainer = {k: kwargs[k] for k in TRAINER_KEYWORDS if k in kwargs}
-        return fn(**copy.deepcopy(data), **trainer), kwargs
-    except Exception as e:
-        raise RuntimeError(f"--reward-fn {name}, called with the keywords {', '.join(kwargs)}, "
-                           f"raised {type(e).__name__}: {e}") from e
+    scores = []
+    for out, kwargs, name in started:  # one finite number or None per completion
+        called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
+        values = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out
+        n = len(kwargs["completions"])
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a "
+                             f"list of {n} numbers (or None), one per completion")
+        values = [v.item() if isinstance(v, np.generic)
+                  or isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v
+                  for v in values]  # numpy's and torch's scalars (np.bool_ too) as Python numbers
+        if not all(v is None or isinstance(v, numbers.Real) for v in values):
+            bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
+            raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number "
+                             "or None per completion")
+        checked = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+        checked = checked.to(device=device, dtype=torch.float32)  # a score past float32's range: inf
+        if not torch.isfinite(checked[[v is not None for v in values]]).all():
+            raise ValueError(f"{called} returned a non-finite score (return None for a row it does "
+                             f"not judge): {values}")
+        scores.append(checked)
+    return scores
 
 
 def call_reward_fn(fn: Callable, kwargs: dict, device, name: str) -> torch.Tensor:
     """One reward function's scores (`call_reward_fns`)."""
     return call_reward_fns([(fn, kwargs, name)], device)[0]
-
-
-def checked_scores(out, kwargs: dict, device, name: str) -> torch.Tensor:
-    """A reward function's output as scores, NaN for None; refused unless one finite number or None
-    per completion."""
-    called = f"--reward-fn {name}, called with the keywords {', '.join(kwargs)},"
-    values = out.tolist() if isinstance(out, (np.ndarray, torch.Tensor)) else out
-    n = len(kwargs["completions"])
-    if not isinstance(values, (list, tuple)) or len(values) != n:
-        raise ValueError(f"{called} returned {type(out).__name__} {str(out)[:200]}; expected a "
-                         f"list of {n} numbers (or None), one per completion")
-    values = [v.item() if isinstance(v, np.generic)
-              or isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v
-              for v in values]  # numpy's and torch's scalars (np.bool_ too) as Python numbers
-    if not all(v is None or isinstance(v, numbers.Real) for v in values):
-        bad = next(v for v in values if not (v is None or isinstance(v, numbers.Real)))
-        raise ValueError(f"{called} returned {bad!r} ({type(bad).__name__}); expected a number "
-                         "or None per completion")
-    scores = torch.tensor([math.nan if v is None else float(v) for v in values],
-                          dtype=torch.float64)
-    scores = scores.to(device=device, dtype=torch.float32)
-    if not torch.isfinite(scores[[v is not None for v in values]]).all():
-        raise ValueError(f"{called} returned a non-finite score (return None for a row it does "
-                         f"not judge): {values}")
-    return scores
 
 
 def unjudged_rows(components: dict, functions: list[str],

@@ -39,6 +39,27 @@ def make_tokenizer(pad: bool):
                                    pad_token="<pad>" if pad else None)
 
 
+def reward_fn_keywords(tokenizer, rows: dict, prompt_column: str, responses) -> dict:
+    """The data keywords a reward function is called with (TRL's: ppo_harness/reward_calls.py's
+    `reward_components`), recorded by a function that takes them all."""
+    from types import SimpleNamespace
+
+    from ppo_harness.keywords import TRAINER_KEYWORDS
+    from ppo_harness.reward_calls import reward_components
+
+    seen = {}
+
+    def record(**kwargs):
+        seen.update({k: v for k, v in kwargs.items() if k not in TRAINER_KEYWORDS})
+        return [0.0] * len(kwargs["completions"])
+
+    rewards = SimpleNamespace(names=["record"], model_paths=[], fn_specs=["record"], fns=[record],
+                              policy_tokenizer=tokenizer, prompt_column=prompt_column, chat=False, max_steps=1,
+                              updates_per_epoch=1, stop_unjudged=False)
+    reward_components(rewards, rows, responses, 0, {}, [True] * len(responses))
+    return seen
+
+
 def build_models(root: Path, arch: str = "gpt_neox", pad: bool = False) -> dict:
     """Write a tiny causal LM (the SFT policy) and a tiny sequence classifier (the reward model) under root.
 

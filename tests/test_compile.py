@@ -48,7 +48,8 @@ def rollout(seed: int = 0, rows: int = 4) -> ppo.Rollout:
     responses[1, 3:] = PAD  # a response that ended early
     responses[2, 1:] = PAD
     sequence_lengths = ppo.first_true_indices(responses == PAD) - 1
-    padding_mask, padding_mask_p1 = ppo.padding_masks(sequence_lengths, RESPONSE)
+    positions = torch.arange(RESPONSE)[None]  # main's masks
+    padding_mask, padding_mask_p1 = positions > sequence_lengths[:, None], positions > sequence_lengths[:, None] + 1
     noise = lambda scale: scale * torch.randn(rows, RESPONSE, generator=g)  # noqa: E731
     zeros = torch.zeros(rows, RESPONSE)
     return ppo.Rollout(

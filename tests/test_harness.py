@@ -492,9 +492,10 @@ def _quiet():
 def test_numpy_scalars_and_bools_are_scores():
     import numpy as np
 
-    from ppo_harness.reward_calls import checked_scores
+    from ppo_harness.reward_calls import call_reward_fn
 
-    scores = checked_scores([np.bool_(True), np.float32(0.5), True, None], {"completions": [0] * 4}, "cpu", "f")
+    out = [np.bool_(True), np.float32(0.5), True, None]
+    scores = call_reward_fn(lambda completions: out, {"completions": [0] * 4}, "cpu", "f")
     assert scores[:3].tolist() == [1.0, 0.5, 1.0] and scores[3].isnan()
 
 

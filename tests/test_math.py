@@ -454,7 +454,7 @@ def test_head_logprobs_under_bf16_autocast_matches_the_unfused_path(seed):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# sample_inverse_cdf
+# sample_next: inverse-CDF sampling
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -468,34 +468,56 @@ def naive_inverse_cdf(p: list[float], u: float) -> int:
     return len(p) - 1
 
 
+def sample_next_with(logits, uniforms, pad_token_id, monkeypatch):
+    """`sample_next`'s tokens and log-probs (temperature 1) where torch.rand draws `uniforms`."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: uniforms.clone())
+    finished = torch.zeros(logits.size(0), dtype=torch.bool)
+    token, logprob, _, _ = ppo.sample_next(logits, SimpleNamespace(temperature=1.0), pad_token_id, None, finished,
+                                           None, False)
+    monkeypatch.undo()
+    return token, logprob
+
+
 @pytest.mark.parametrize("vocab", [1, 2, 13])
-def test_sample_inverse_cdf(vocab):
-    probs = torch.softmax(randn((50, vocab), seed=vocab, scale=3.0), -1)
-    probs[:, vocab // 2] = 0.0  # a zero-probability token (the pad column) ...
-    probs[0] = 0.0
-    probs[0, -1] = 1.0  # ... and a row whose only mass is on the last token
-    u = torch.rand(50, generator=gen(vocab), dtype=torch.float64)
-    u[1], u[2] = 0.0, 1.0 - 1e-12  # the edges of [0, 1)
-    out = ppo.sample_inverse_cdf(probs, u)
-    assert out.shape == (50, 1)
-    assert out.squeeze(-1).tolist() == [naive_inverse_cdf(p, x) for p, x in zip(rows(probs), u.tolist())]
+def test_sample_next_inverse_cdf(vocab, monkeypatch):
+    """The token of each row's uniform under the inverse CDF of softmax(scale_logits(logits)), against a loop in
+    float64; [PAD] (probability 0) never drawn, the edges of [0, 1) included."""
+    logits = randn((50, vocab), seed=vocab, scale=3.0).float()
+    pad = vocab // 2 if vocab > 1 else vocab  # a zero-probability token (the pad column) ...
+    logits[0] = torch.finfo(torch.float32).min
+    logits[0, -1] = 0.0  # ... and a row whose only mass is on the last token
+    u = torch.rand(50, generator=gen(vocab))
+    u[1], u[2] = 0.0, 1.0 - 2**-24  # the edges of [0, 1) in float32
+    token, logprob = sample_next_with(logits, u, pad, monkeypatch)
+    probs = torch.softmax(ppo.scale_logits(logits, 1.0, pad), -1).double()
+    assert token.shape == (50, 1)
+    expected = [naive_inverse_cdf(p, x) for p, x in zip(rows(probs), u.double().tolist())]
+    assert token.squeeze(-1).tolist() == expected
     if vocab > 1:
-        assert (out[1:] != vocab // 2).all()  # row 0 puts its mass on the last token
+        assert (token[1:] != pad).all()  # row 0 puts its mass on the last token
+    naive = [math.log(p[t]) for p, t in zip(rows(probs), expected)]
+    assert_close(logprob.double(), torch.tensor(naive, dtype=torch.float64), tol=dict(rtol=1e-5, atol=1e-5))
 
 
-def test_sample_inverse_cdf_frequencies():
-    """Drawn with torch.rand uniforms, the tokens follow the distribution (binomial 5-sigma bounds)."""
+def test_sample_next_frequencies():
+    """Drawn with the generator's uniforms, the tokens follow the distribution (binomial 5-sigma bounds)."""
+    from types import SimpleNamespace
+
     p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
     n = 100_000
-    out = ppo.sample_inverse_cdf(p.expand(n, 5), torch.rand(n, generator=gen(0)))
-    counts = torch.bincount(out.squeeze(-1), minlength=5).tolist()
+    logits = p.log().expand(n, 5).clone()  # log 0 = -inf: the second word is never drawn
+    token, _, _, _ = ppo.sample_next(logits, SimpleNamespace(temperature=1.0), 5, gen(0),
+                                     torch.zeros(n, dtype=torch.bool), None, False)
+    counts = torch.bincount(token.squeeze(-1), minlength=5).tolist()
     assert counts[1] == 0
     for c, q in zip(counts, p.tolist()):
         assert abs(c - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1e-9
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# masked_mean / masked_var / masked_whiten
+# masked_mean / masked_whiten
 # ------------------------------------------------------------------------------------------------------------------
 SHAPES_2D = [(1, 2), (3, 5), (4, 17), (16, 64)]
 
@@ -515,25 +537,6 @@ def test_masked_mean(shape, p_true):
     rows = ppo.masked_mean(values, mask, dim=1)
     for r, (v, m) in enumerate(zip(values.tolist(), mask.tolist())):
         assert_close(rows[r], naive_mean(v, m) if any(m) else 0.0)
-
-
-@pytest.mark.parametrize("shape", SHAPES_2D)
-@pytest.mark.parametrize("p_true", [0.2, 0.7, 1.0])
-def test_masked_var(shape, p_true):
-    values = randn(shape, seed=10 + shape[1], scale=3.0) + 2.0
-    mask = rand_mask(shape, seed=shape[0] + 5, p_true=p_true)
-    mask[0, :2] = True  # at least two unmasked entries
-    expected = naive_var(values.view(-1).tolist(), mask.view(-1).tolist(), unbiased=True)
-    assert_close(ppo.masked_var(values, mask), expected)
-
-
-@pytest.mark.parametrize("n_true", [0, 1])
-def test_masked_var_unbiased_needs_two_values(n_true):
-    values = randn((3, 4), seed=1)
-    mask = torch.zeros(3, 4, dtype=torch.bool)
-    mask[1, 2] = n_true == 1
-    with pytest.raises(ValueError):
-        ppo.masked_var(values, mask)
 
 
 @pytest.mark.parametrize("shape", SHAPES_2D)
@@ -561,36 +564,31 @@ def test_masked_whiten(shape, p_true, shift_mean, scale, offset):
 
 
 @pytest.mark.parametrize("n_real", [0, 1, 2, 7])
-def test_whiten_advantages(n_real):
-    """Whitened over the real tokens and 0 at padding (float64 loop); a single real token (one response of one token on
-    a process) is centred to 0 instead of crashing in masked_var."""
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_as_the_advantages_use_it(n_real, shift_mean):
+    """main's advantages, `masked_whiten` over the real tokens then 0 at padding (float64 loop); under two real
+    tokens (one response of one token on a process) there is no spread: a lone one is centred (its own value when the
+    mean is added back), nothing is NaN."""
     advantages = randn((2, 5), seed=30 + n_real, scale=2.0) + 1.0
     padding_mask = torch.ones(2, 5, dtype=torch.bool)
     padding_mask.view(-1)[:n_real] = False
-    out = ppo.whiten_advantages(advantages, padding_mask)
+    out = ppo.masked_whiten(advantages, ~padding_mask, shift_mean).masked_fill(padding_mask, 0)
     v, m = advantages.view(-1).tolist(), (~padding_mask).view(-1).tolist()
-    expected = naive_whiten(v, m, True) if n_real >= 2 else [0.0] * len(v)
+    if n_real >= 2:
+        expected = naive_whiten(v, m, shift_mean)
+    else:
+        expected = [0.0 if shift_mean else x for x in v]
     expected = [e if keep else 0.0 for e, keep in zip(expected, m)]
     assert_close(out, torch.tensor(expected, dtype=torch.float64).view(2, 5), tol=dict(rtol=1e-9, atol=1e-9))
 
 # ------------------------------------------------------------------------------------------------------------------
-# padding_masks / score_positions / kl_penalty / compute_rewards
+# kl_penalty / compute_rewards
 # ------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("batch,response_length", [(1, 1), (3, 1), (3, 2), (6, 8), (20, 33)])
-def test_padding_masks_and_score_positions(batch, response_length):
-    seq = rand_seq_lengths(batch, response_length, seed=batch * response_length)
-    pm, pm1 = ppo.padding_masks(seq, response_length)
-    assert pm.shape == pm1.shape == (batch, response_length) and pm.dtype == pm1.dtype == torch.bool
-    s = seq.tolist()
-    assert pm.tolist() == [[t > s[i] for t in range(response_length)] for i in range(batch)]
-    assert pm1.tolist() == [[t > s[i] + 1 for t in range(response_length)] for i in range(batch)]
-    pos = ppo.score_positions(seq, response_length)
-    assert pos.tolist() == [naive_score_position(x, response_length) for x in s]
-    for i in range(batch):
-        # the score lands where the policy loss is masked and the value loss is not (or on the last token if full)
-        assert not pm1[i, pos[i]]
-        if s[i] + 1 < response_length:
-            assert pm[i, pos[i]]
+def naive_padding_masks(seq_lens: list[int], response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """main's padding_mask (past the last real token) and padding_mask_p1 (past the score's position)."""
+    pm = [[t > s for t in range(response_length)] for s in seq_lens]
+    pm1 = [[t > s + 1 for t in range(response_length)] for s in seq_lens]
+    return torch.tensor(pm, dtype=torch.bool), torch.tensor(pm1, dtype=torch.bool)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (8, 33)])
@@ -696,7 +694,7 @@ LOSS_SHAPES = [(1, 1), (3, 5), (8, 16), (16, 40)]
 def loss_inputs(shape, seed, noise):
     """(old logprobs, new logprobs, advantages, values-like, padding_mask, padding_mask_p1) in float64."""
     seq = rand_seq_lengths(shape[0], shape[1], seed)
-    pm, pm1 = ppo.padding_masks(seq, shape[1])
+    pm, pm1 = naive_padding_masks(seq.tolist(), shape[1])
     old = -randn(shape, seed=seed, scale=2.0).abs()
     new = old + randn(shape, seed=seed + 1, scale=noise)
     adv = randn(shape, seed=seed + 2)
@@ -800,7 +798,7 @@ def test_batch_sizes_rejects_values_below_one(flag, bad):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# left_pad / pad_right
+# left_pad
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("pad", [0, 31])
@@ -819,22 +817,4 @@ def test_left_pad(seed, pad):
         row.extend(s)
         expected.append(row)
     assert out.dtype == torch.long and out.shape == (len(seqs), width)
-    assert out.tolist() == expected
-
-
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("dtype,value", [(torch.long, 7), (torch.float64, 1.0), (torch.float32, -3.5)])
-def test_pad_right(seed, dtype, value):
-    g = gen(seed)
-    shapes = [(int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(0, 6, (1,), generator=g)))
-              for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
-    shapes[0] = (shapes[0][0], 5)  # at least one non-empty width
-    tensors = [(torch.randn(s, generator=g) * 10).to(dtype) for s in shapes]
-    out = ppo.pad_right(tensors, value)
-    width = max(s[1] for s in shapes)
-    expected = []
-    for t in tensors:
-        for r in t.tolist():
-            expected.append(r + [value] * (width - len(r)))
-    assert out.dtype == dtype and out.shape == (sum(s[0] for s in shapes), width)
     assert out.tolist() == expected

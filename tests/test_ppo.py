@@ -17,9 +17,9 @@ import ppo
 from ppo_harness.reward_fns import load_reward_fn
 from ppo_harness import speed
 from ppo_harness.forwards import check_trunks, frozen_trunk, trunk_is_exact
-from ppo_harness.reward_calls import call_reward_fn, reward_fn_kwargs
-from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer, run_ppo,
-                      tiny_args, without_wall_clock, write_config_dataset)
+from ppo_harness.reward_calls import call_reward_fn
+from conftest import (REWARD_FN, ROOT, TINY, assert_same_run, build_models, launch_machines, make_tokenizer,
+                      reward_fn_keywords, run_ppo, tiny_args, without_wall_clock, write_config_dataset)
 
 TRL_METRICS = ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -348,7 +348,7 @@ def test_reward_model_scores_read_the_last_real_response_token(tiny):
     _, rm = tiny
     rows = [([3, 4, 5], [6, 0]), ([7], [8, 9, 0]), ([10, 11], [12])]
     queries = ppo.left_pad([q for q, _ in rows], PAD)
-    responses = ppo.pad_right([torch.tensor([r]) for _, r in rows], PAD)
+    responses = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for _, r in rows], batch_first=True, padding_value=PAD)
     scores = ppo.reward_model_scores(rm, torch.cat((queries, responses), 1), PAD, queries.size(1))
     with torch.no_grad():
         expected = torch.stack([rm(input_ids=torch.tensor([q + r])).logits[0, 0] for q, r in rows])
@@ -432,7 +432,7 @@ def copy_of_script(edit: str):
 def test_an_edited_forward_is_followed_or_its_trunk_refused_by_name(assets):
     """The frozen trunk is checked at start-up against the page's functions as a copier edited them, on values and
     gradients. An edited `value_forward` (here doubled) is what the trunk path calls too, so it is followed and the
-    trunk kept; an edited `trunk_inputs` whose trunk path no longer gives the full forward's outputs is refused by
+    trunk kept; an edited `model_inputs` whose trunk path no longer gives the full forward's outputs is refused by
     name on the banner's line, and that model runs full forwards."""
     policy = AutoModelForCausalLM.from_pretrained(assets["sft"])
     ppo.freeze_bottom_layers(policy, 1)
@@ -446,9 +446,9 @@ def test_an_edited_forward_is_followed_or_its_trunk_refused_by_name(assets):
         split = (frozen_trunk(value, qr, PAD, 1, ppo.model_inputs), 1)
         torch.testing.assert_close(doubled.value_forward(value, qr, PAD, 2, trunk=split),
                                    2 * ppo.value_forward(value, qr, PAD, 2))
-    scaled = copy_of_script("plain_trunk_inputs = trunk_inputs\n"  # the trunk's states scaled on their way up
-                            "def trunk_inputs(model, qr, pad, trunk=None):\n"
-                            "    return plain_trunk_inputs(model, qr, pad, None if trunk is None else "
+    scaled = copy_of_script("plain_model_inputs = model_inputs\n"  # the trunk's states scaled on their way up
+                            "def model_inputs(qr, pad, trunk=None):\n"
+                            "    return plain_model_inputs(qr, pad, None if trunk is None else "
                             "(1.5 * trunk[0], trunk[1]))")
     setup = types.SimpleNamespace(zero3=False, tokenizer=types.SimpleNamespace(pad_token_id=PAD),
                                   probe_ids=[[3, 4, 5, 6, 7], [8, 9, 10]])
@@ -509,7 +509,7 @@ def test_frozen_trunk_keeps_each_blocks_attention_type(num_frozen):
     qr = ppo.left_pad([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], PAD)
     with torch.no_grad():
         trunk = (frozen_trunk(model, qr, PAD, num_frozen, ppo.model_inputs), num_frozen)
-        torch.testing.assert_close(ppo.final_hidden_states(model, qr, PAD, trunk), ppo.final_hidden_states(model, qr, PAD),
+        torch.testing.assert_close(ppo.policy_logits(model, qr, PAD, 2, trunk), ppo.policy_logits(model, qr, PAD, 2),
                                    rtol=1e-5, atol=1e-6)
     assert len(model.config.layer_types) == 3  # restored
 
@@ -681,18 +681,18 @@ def test_reward_fn_loading_and_checks():
     assert scores.isnan().tolist() == [True, False] and scores[1] == 2.0
 
 
-def test_reward_fn_kwargs_follow_trl():
+def test_reward_fn_keywords_follow_trl():
     """TRL's GRPOTrainer keywords: prompts as given, completions (message lists for chat prompts, a continued
     assistant prefix included), completion_ids before padding, and every other column."""
     tok = make_tokenizer(pad=True)
     prefix = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
     rows = {"prompt": [prefix, prefix[:1]], "input_ids": [[2, 3], [2]], "solution": ["4", "5"], "completion": ["x", "y"]}
     responses = torch.tensor([[8, 9, 0, 31], [7, 31, 31, 31]])
-    kwargs = reward_fn_kwargs(tok, rows, "prompt", responses)
+    kwargs = reward_fn_keywords(tok, rows, "prompt", responses)
     assert kwargs == dict(prompts=rows["prompt"], completions=[[{"role": "assistant", "content": "w2w7 w8"}],
                                                                 [{"role": "assistant", "content": "w6"}]],
                           completion_ids=[[8, 9, 0], [7]], solution=["4", "5"])
-    kwargs = reward_fn_kwargs(tok, {"q": ["w1 w2", "w3"], "input_ids": [[2, 3], [4]]}, "q", responses)
+    kwargs = reward_fn_keywords(tok, {"q": ["w1 w2", "w3"], "input_ids": [[2, 3], [4]]}, "q", responses)
     assert kwargs["prompts"] == ["w1 w2", "w3"] and kwargs["completions"] == ["w7 w8", "w6"]
 
 
@@ -926,7 +926,7 @@ def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path
 
 def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
     """One response of one token per update: its advantage cannot be whitened (one value), so it is centred to 0
-    instead of stopping the run in masked_var. (With --no-save-at-end, as a benchmark runs: only the logs written.)"""
+    instead of stopping the run on a variance of one value. (With --no-save-at-end, as a benchmark runs: only the logs written.)"""
     _, rows = run_ppo(tiny_args(assets, "--per-device-train-batch-size", "1", "--gradient-accumulation-steps", "1",
                                 "--num-mini-batches", "1", "--total-episodes", "2", "--response-length", "1",
                                 "--local-rollout-forward-batch-size", "1", "--eval-samples", "0", "--no-save-at-end"),

@@ -188,7 +188,7 @@ def test_top_p_in_sample_next_alone_is_off_policy_and_in_scale_logits_is_not(tmp
     `scale_logits`, where training's forwards pass too, passes it."""
     source = (ROOT / "ppo.py").read_text()
     marker = "# ALGO LOGIC: a truncation of the distribution"
-    sampled = "token = sample_inverse_cdf(torch.softmax(logits, dim=-1), uniforms)"
+    sampled = "cdf = torch.softmax(logits, dim=-1).double().cumsum(-1)"
     scaled = "logits[..., pad_token_id] = torch.finfo(logits.dtype).min\n    return logits"
     assert source.count(marker) == source.count(sampled) == source.count(scaled) == 1
     with_top_p = source.replace(marker, TOP_P + marker)

@@ -150,7 +150,7 @@ def simulated_minibatch(aggregation, processes=3, accumulation=2, micro=4, lengt
     adv = torch.randn(rows, length, generator=g, dtype=torch.float64)
     lengths = torch.randint(-1, length, (rows,), generator=g)
     lengths[micro:2 * micro] = -1  # process 0's second micro-batch is empty (unjudged, or dropped)
-    pad = ppo.padding_masks(lengths, length)[0]
+    pad = torch.arange(length)[None] > lengths[:, None]  # main's padding_mask
     per_process = rows // processes
     counts = sum(ppo.minibatch_counts(~pad[p * per_process:(p + 1) * per_process],
                                       torch.arange(per_process).view(1, -1), aggregation)
@@ -243,15 +243,17 @@ class TwoProcesses:
 def rollout(seed, rows=4, length=5):
     g = gen(seed)
     lengths = torch.randint(0, length, (rows,), generator=g)
-    mask, mask_p1 = ppo.padding_masks(lengths, length)
+    mask, mask_p1 = torch.arange(length)[None] > lengths[:, None], torch.arange(length)[None] > lengths[:, None] + 1
     t = torch.randn(rows, length, generator=g)
     responses = torch.ones(rows, length, dtype=torch.long)
+    components = RewardComponents()
+    components.unjudged = torch.zeros(rows, dtype=torch.bool)
     return ppo.Rollout(query_responses=responses, response_ids=responses, trunks={}, responses=responses,
                        sequence_lengths=lengths,
                        padding_mask=mask, padding_mask_p1=mask_p1, logprobs=-t.abs(), ref_logprobs=-t.abs(),
                        values=t, kl=t.abs(), non_score_reward=-t.abs(), rewards=t, advantages=t, returns=2 * t,
                        scores=torch.randn(rows, generator=g), trained_scores=None, contain_eos_token=None,
-                       score_components=RewardComponents({}, None, torch.zeros(rows, dtype=torch.bool)),
+                       score_components=components,
                        dropped=torch.zeros(rows, dtype=torch.bool),
                        positive=torch.zeros(rows, length, dtype=torch.bool))
 

@@ -27,8 +27,8 @@ DIFFERENCES = {  # name: why ppo_tldr.py's differs from ppo.py's
     "set_up": "TL;DR's data, one tokenizer, no rewards to resolve",
     "value_forward": "minus the score bias the value model inherits from the reward model (N+ detail 18)",
     "policy_logits": "no frozen trunk and no value head: TL;DR trains every block of a separate value model",
-    "final_hidden_states": "no frozen trunk (TL;DR trains every block), and no peft adapter to look through",
     "response_logprobs": "no frozen trunk and no value head's hidden states to hand back",
+    "model_inputs": "no frozen trunk: the token ids alone",
 }
 SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.py's (each also in DIFFERENCES)
     "Models": "TL;DR's models are named without a record of rewards (`named`)",
@@ -38,8 +38,9 @@ SIGNATURE_DIFFERENCES = {  # name: why ppo_tldr.py's parameters differ from ppo.
     "value_forward": "no `head` (TL;DR has no --shared-value-head), no frozen trunk",
     "reference_and_values": "no frozen trunks: TL;DR trains every block",
     "policy_logits": "no `trunk` or `with_hidden`: no frozen trunk, no value head",
-    "final_hidden_states": "no `trunk`: TL;DR trains every block",
     "response_logprobs": "no `trunk` or `with_hidden`, and it returns (log-probs, entropies) alone",
+    "model_inputs": "no `trunk`: TL;DR trains every block",
+    "kl_penalty": "no `exact`: TL;DR has no exact KL (k1 and k3 only)",
 }
 
 

@@ -185,10 +185,8 @@ def test_queries_ending_in_eos_are_refused():
         ppo_tldr.tokenize_tldr(batch, tok, MAX_QUERY)
 
 
-def test_left_and_right_padding():
+def test_left_padding():
     assert ppo_tldr.left_pad([[1, 2, 3], [4]], 9).tolist() == [[1, 2, 3], [9, 9, 4]]  # queries: left-padded
-    references = [torch.tensor([ids]) for ids in ([1, 2, 3], [4])]  # references: right-padded
-    assert ppo_tldr.pad_right(references, 9).tolist() == [[1, 2, 3], [4, 9, 9]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,8 +265,8 @@ def test_copied_helpers_compute_what_ppo_computes():
     scores = torch.randn(b, generator=g)
     cases = [("first_true_indices", (responses == 3,)), ("truncate_response", (3, 99, responses)),
              ("scale_logits", (logits, 0.7, 4)), ("logprobs_from_logits", (logits, tokens)),
-             ("entropy_from_logits", (logits,)), ("masked_whiten", (adv, ~mask)), ("padding_masks", (seq, t)),
-             ("kl_penalty", (lp, ref, "k1")), ("kl_penalty", (lp, ref, "k3")), ("score_positions", (seq, t)),
+             ("entropy_from_logits", (logits,)), ("masked_whiten", (adv, ~mask)),
+             ("kl_penalty", (lp, ref, "k1")), ("kl_penalty", (lp, ref, "k3")),
              ("compute_rewards", (scores, lp - ref, 0.05, seq)), ("compute_gae", (adv, vals, 1.0, 0.95)),
              ("policy_loss", (lp, ref, adv, mask, 0.2)), ("value_loss", (vals, rets, adv, mask, 0.2)),
              ("batch_sizes", (4, 2, 2, 3, 1000))]
@@ -322,7 +320,8 @@ def test_responses_are_response_length_wide_when_every_row_stops_early():
     assert responses.tolist() == [[0, 7, 7, 7, 7, 7]] * 2
     assert (logprobs[:, 1:] == ppo_tldr.INVALID_LOGPROB).all() and (logprobs[:, 0] <= 0).all()
     sequence_lengths = ppo_tldr.first_true_indices(responses == 7) - 1
-    assert ppo_tldr.score_positions(sequence_lengths, responses.size(1)).tolist() == [1, 1]  # one past the eos
+    rewards, _ = ppo_tldr.compute_rewards(torch.ones(2), torch.zeros(2, 6), 0.0, sequence_lengths)
+    assert rewards.argmax(1).tolist() == [1, 1]  # the score one past the eos
     source = (ROOT / "ppo_tldr.py").read_text()  # phase 1 pads both, before anything reads them
     assert "responses = F.pad(responses, (0, args.response_length - responses.size(1)), value=pad_token_id)" in source
     assert "logprobs = F.pad(logprobs, (0, args.response_length - logprobs.size(1)), value=INVALID_LOGPROB)" in source

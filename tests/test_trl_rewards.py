@@ -22,9 +22,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 import ppo
 from ppo_harness.reward_fns import load_reward_fn
 from ppo_harness.prompt_files import encode_prompts
-from ppo_harness.reward_calls import RewardComponents, RewardLogs, call_reward_fn, call_reward_fns, reward_fn_kwargs
+from ppo_harness.reward_calls import RewardComponents, RewardLogs, call_reward_fn, call_reward_fns
 from ppo_harness.preemption import Preemption, stop_asked
-from conftest import ROOT, TINY, free_port, make_tokenizer, run_ppo
+from conftest import ROOT, TINY, free_port, make_tokenizer, reward_fn_keywords, run_ppo
 from test_rewards import chat  # noqa: F401 (the chat policy, its reward model and chat prompts)
 
 TESTS = str(ROOT / "tests")  # on PYTHONPATH, so that trl_1_12.rewards.accuracy_rewards imports as TRL's own module
@@ -304,7 +304,7 @@ def test_reward_server_renders_rows_as_a_reward_model_with_its_own_tokenizer():
     prefix = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6 "}]
     queries = ppo.left_pad(encode_prompts(tok, [prefix, prefix[:1]]), 36)
     answers = torch.tensor([[8, 9, 32], [8, 32, 36]])  # "w7 w8", "w7", each ending its turn
-    completions = reward_fn_kwargs(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
+    completions = reward_fn_keywords(tok, {"prompt": [prefix, prefix[:1]], "input_ids": []}, "prompt",
                                        answers)["completions"]
     assert rendered(tok, [prefix, prefix[:1]], completions) == ppo.reward_model_texts(
         tok, tok, [prefix, prefix[:1]], queries, answers, chat=True)

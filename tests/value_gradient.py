@@ -72,7 +72,7 @@ if __name__ == "__main__":
     r = rollout(mine, values, returns, mask)
     model = accelerator.prepare(Critic(states))
     local = torch.arange(share)
-    denominators = ppo.loss_denominators(accelerator, args, r, local)
+    denominators = None if flags.aggregation == "micro-batch" else ppo.loss_denominators(accelerator, args, r, local)
     for rows in local.split(args.per_device_train_batch_size):
         with accelerator.accumulate(model):
             loss, _ = ppo.ppo_loss(model, rows, r, args, 0, False, None if denominators is None else denominators[0])
