@@ -7,10 +7,11 @@ page was made plain, 20 the critic's own lr and epochs added, 13 --push-to-hub's
 the lr schedule's own record, the compile cache checked before peft's import and --fused-lm-head's flag) and its
 `main` in at most 200; ppo_multiturn.py in 1,510; `generate` is the plain sampling loop, at most 20 lines; no
 function of a script takes a speed choice as a parameter (the README's ledger: a hand-written speed path is a
-wrapper named at one line of `main`); the harness keeps to 100 columns on nine lines in ten; the README at most 310
-lines (300, 10 for the multi-turn sibling's section, 2 for the critic's ablation), benchmarks/README.md 348 (300, 30
+wrapper named at one line of `main`); the harness keeps to 100 columns on nine lines in ten; the README at most 312
+lines (300, 10 for the multi-turn sibling's section, 2 for the critic's ablation), benchmarks/README.md 350 (300, 30
 for the multi-turn task, 10 for the default run measured with the page's own LM head against the hand-written one, 5
-for the critic's ablation rows, 3 for the throughput bench with --fused-lm-head)."""
+for the critic's ablation rows, 3 for the throughput bench with --fused-lm-head, 2 for the walk's cut measured against
+the code before it)."""
 import ast
 import io
 import json
@@ -124,7 +125,7 @@ def test_the_walk_from_the_update_loop_to_the_first_optimizer_step_is_35_functio
 # the README: 300, + 10 for ppo_multiturn.py's section (the rest of its guide is docs/multiturn.md), + 2 for the
 # critic's ablation; the benchmarks: 300, + 30 for its task's measurements, + 10 for the default run with the page's own
 # LM head against the hand-written one, + 5 for the critic's ablation rows (the lambdas, plain PPO again), + 3 for the
-# throughput bench with --fused-lm-head
-@pytest.mark.parametrize("document, most", [("README.md", 312), ("benchmarks/README.md", 348)])
+# throughput bench with --fused-lm-head, + 2 for the walk's cut measured against the code before it
+@pytest.mark.parametrize("document, most", [("README.md", 312), ("benchmarks/README.md", 350)])
 def test_documents_stay_within_their_length(document, most):
     assert len(shipped(document).splitlines()) <= most
