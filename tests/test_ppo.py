@@ -924,6 +924,43 @@ def test_the_static_samplers_probe_judges_both_paths_on_the_same_tokens(tmp_path
     assert not accepted and "sliding-window" in note
 
 
+def test_phase_4s_masks_and_rewards_are_a_naive_loops(assets, tmp_path):
+    """main's phase 4 inline, read off the rollout phase 6 trains on (tests/epoch_order.py records it), over two
+    updates against Python loops: each response's last real token, padding_mask past it and padding_mask_p1 one
+    further (both all True on a row no reward judged: the reward here judges only rows with a 'w7'), the rewards
+    -kl_coef x kl plus the trained score one past the last real token (on it where the response fills the row), the
+    KL and the advantages 0 wherever padding_mask is."""
+    import json
+
+    argv = tiny_args(assets, "--eval-samples", "0", "--response-length", "16", "--stop-token-id", "3",
+                     reward_fn="tests/rewards.py:judges_w7_only")  # a stop token the tiny policy samples often
+    proc, rows = run_ppo(argv, tmp_path / "run", script="tests/epoch_order.py")
+    rollouts = [json.loads(line[len("ROLLOUT "):]) for line in proc.stdout.splitlines() if line.startswith("ROLLOUT ")]
+    assert len(rollouts) == len(rows) == 2
+    unjudged_rows, ended, full = 0, 0, 0
+    for r in rollouts:
+        width = len(r["responses"][0])
+        for i, response in enumerate(r["responses"]):
+            last = -1
+            for t, token in enumerate(response):
+                if token != r["pad_token_id"]:
+                    last = t
+                else:
+                    break
+            unjudged = r["unjudged"][i]
+            unjudged_rows, ended, full = unjudged_rows + unjudged, ended + (last + 1 < width), full + (last + 1 == width)
+            assert r["sequence_lengths"][i] == last
+            assert r["padding_mask"][i] == [unjudged or t > last for t in range(width)]
+            assert r["padding_mask_p1"][i] == [unjudged or t > last + 1 for t in range(width)]
+            position = last + 1 if last + 1 < width else last
+            for t in range(width):
+                expected = -r["kl_coef"] * r["kl"][i][t] + (r["trained_scores"][i] if t == position else 0.0)
+                assert r["rewards"][i][t] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+                if r["padding_mask"][i][t]:
+                    assert r["kl"][i][t] == 0 and r["advantages"][i][t] == 0
+    assert unjudged_rows > 0 and ended > 0 and full > 0  # rows no reward judged, responses that stopped, and full ones
+
+
 def test_one_real_response_token_on_a_process_trains(assets, tmp_path):
     """One response of one token per update: its advantage cannot be whitened (one value), so it is centred to 0
     instead of stopping the run on a variance of one value. (With --no-save-at-end, as a benchmark runs: only the logs written.)"""
